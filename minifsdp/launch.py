@@ -1,0 +1,275 @@
+"""Launch a multi-process job with torchrun from Python, and get its results back.
+
+Notebooks and tests call::
+
+    run = torchrun("minifsdp.train", "--strategy", "torch_ddp", nproc=2, name="ddp")
+    run.ranks[0]["losses"]          # rank 0's JSON, as plain Python objects
+
+which runs ``python -m torch.distributed.run --standalone --nproc-per-node 2 -m minifsdp.train
+...`` in a subprocess -- the very command a reader would type in a terminal.
+
+Note [failures surface, never hang]: torchrun writes each rank's stdout/stderr to its own
+file (``--redirects 3 --log-dir``). If a rank raises, torchrun stops the others and exits
+non-zero; we read its summary to find the first failing rank and raise ``WorkerError`` with
+*that rank's* traceback. If the job outlives ``timeout``, we send SIGUSR1 to every worker
+(``minifsdp.dist`` registered ``faulthandler`` for it, so each prints its Python stack), kill
+the process group, and raise ``WorkerTimeout`` showing where every rank was stuck.
+
+Note [standalone]: ``--standalone`` starts a private rendezvous on a free port, so two
+notebooks (or two pytest workers) can launch jobs at the same time. Multi-node jobs are
+launched by hand with ``--nnodes``/``--rdzv-endpoint`` (see README); the workers are the same.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from minifsdp.dist import PROGRESS_TAG
+
+
+class WorkerError(RuntimeError):
+    """A rank of a torchrun job failed. ``rank`` is the first rank that failed."""
+
+    def __init__(self, message: str, rank: int | None, logs: dict[int, str]):
+        super().__init__(message)
+        self.rank = rank
+        self.logs = logs
+
+
+class WorkerTimeout(WorkerError):
+    """A torchrun job did not finish within its timeout (a hang, or too little time)."""
+
+
+@dataclass
+class RunResult:
+    """What a finished job left behind.
+
+    ``ranks[r]`` is rank r's JSON (``None`` if it wrote none), ``stdout[r]`` its printed
+    output, ``wall_s`` the job's wall time including process start-up.
+    """
+
+    name: str
+    out_dir: Path
+    ranks: list[Any]
+    stdout: dict[int, str] = field(repr=False)
+    wall_s: float
+
+    def print_logs(self, ranks: list[int] | None = None) -> None:
+        """Print what each rank printed (progress lines omitted), prefixed by its rank."""
+        for r in ranks if ranks is not None else sorted(self.stdout):
+            for line in self.stdout[r].splitlines():
+                if not line.startswith(PROGRESS_TAG):
+                    print(f"[rank{r}] {line}")
+
+
+def repo_root() -> Path:
+    """The checkout containing this package (``runs/`` lives there), else the cwd."""
+    here = Path(__file__).resolve().parent.parent
+    return here if (here / "pyproject.toml").exists() else Path.cwd()
+
+
+def torchrun(
+    target: str,
+    *args: Any,
+    nproc: int = 2,
+    name: str | None = None,
+    chapter: str = "adhoc",
+    timeout: float = 300.0,
+    pg_timeout: float | None = None,
+    progress: bool | None = None,
+    env: dict[str, str] | None = None,
+) -> RunResult:
+    """Run ``target`` (a module name like ``"minifsdp.train"`` or a ``.py`` path) on ``nproc``
+    local processes under torchrun and return every rank's JSON results.
+
+    Args:
+        target: module (run with ``-m``) or script path.
+        *args: command-line arguments for the worker (converted with ``str``).
+        nproc: processes on this machine (= world size here).
+        name / chapter: results go to ``runs/<chapter>/<name>/rank{r}.json``.
+        timeout: seconds before the job is considered hung (``WorkerTimeout``).
+        pg_timeout: seconds a collective may wait for a peer (``MINIFSDP_PG_TIMEOUT``).
+        progress: show a progress bar from the worker's ``report_progress`` calls
+            (default: only when stderr is a terminal).
+        env: extra environment variables for the workers.
+
+    Example:
+        >>> run = torchrun("minifsdp.demos.collectives", "--demo", "collectives", nproc=2)
+        >>> sorted(run.ranks[0])   # doctest: +SKIP
+        ["all_gather_into_tensor", "all_reduce", ...]
+    """
+    name = name or re.sub(r"\W+", "_", Path(target).stem if target.endswith(".py") else target)
+    out_dir = repo_root() / "runs" / chapter / name
+    shutil.rmtree(out_dir, ignore_errors=True)  # stale rank files must never be read back
+    log_dir = out_dir / "logs"
+    log_dir.mkdir(parents=True)
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           "--nproc-per-node", str(nproc), "--redirects", "3", "--log-dir", str(log_dir),
+           "--monitor-interval", "0.1"]
+    cmd += [target] if target.endswith(".py") else ["-m", target]
+    cmd += [str(a) for a in args]
+    child_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
+                 "MINIFSDP_OUT": str(out_dir), **(env or {})}
+    # Workers must import *this* minifsdp even when the notebook's cwd is notebooks/.
+    child_env["PYTHONPATH"] = os.pathsep.join(
+        p for p in (str(Path(__file__).resolve().parent.parent), child_env.get("PYTHONPATH")) if p
+    )
+    if pg_timeout is not None:
+        child_env["MINIFSDP_PG_TIMEOUT"] = str(pg_timeout)
+
+    show = sys.stderr.isatty() if progress is None else progress
+    bar = _ProgressBar(name, log_dir) if show else None
+    t0 = time.perf_counter()
+    # start_new_session: the job gets its own process group, so a kill reaches every worker.
+    proc = subprocess.Popen(cmd, env=child_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            stdin=subprocess.DEVNULL, text=True, start_new_session=True)
+    try:
+        launcher_out = _wait(proc, timeout, bar)
+    except subprocess.TimeoutExpired:
+        _dump_stacks_and_kill(proc)
+        logs = _read_logs(log_dir, "stderr")
+        stacks = "\n".join(f"----- rank {r} -----\n{_tail(t, 40)}" for r, t in sorted(logs.items()))
+        raise WorkerTimeout(
+            f"{name}: torchrun job did not finish within {timeout:.0f} s; every rank was "
+            f"stopped. Where each rank was:\n{stacks}", None, logs) from None
+    except BaseException:  # e.g. KeyboardInterrupt in a notebook: leave no worker behind
+        _dump_stacks_and_kill(proc)
+        raise
+    finally:
+        if bar:
+            bar.close()
+    wall = time.perf_counter() - t0
+
+    stdout = _read_logs(log_dir, "stdout")
+    if proc.returncode != 0:
+        raise _worker_error(name, launcher_out, _read_logs(log_dir, "stderr"), proc.returncode)
+    ranks = []
+    for r in range(nproc):
+        path = out_dir / f"rank{r}.json"
+        ranks.append(json.loads(path.read_text()) if path.exists() else None)
+    return RunResult(name, out_dir, ranks, stdout, wall)
+
+
+def _wait(proc: subprocess.Popen, timeout: float, bar: _ProgressBar | None) -> str:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            out, _ = proc.communicate(timeout=0.25)
+            if bar:
+                bar.update()
+            return out or ""
+        except subprocess.TimeoutExpired:
+            if bar:
+                bar.update()
+            if time.monotonic() > deadline:
+                raise
+
+
+def _dump_stacks_and_kill(proc: subprocess.Popen) -> None:
+    """SIGUSR1 makes each worker print its stack (see dist._install_stack_dumps); then kill.
+
+    torchrun starts every worker in a session of its own, so killing torchrun's process group
+    would orphan them: walk the process tree instead.
+    """
+    workers = _descendants(proc.pid)
+    for pid in workers:
+        _signal(pid, signal.SIGUSR1)
+    time.sleep(1.0)
+    for pid in [proc.pid, *workers]:
+        _signal(pid, signal.SIGKILL)
+    proc.communicate()
+
+
+def _descendants(pid: int) -> list[int]:
+    """All processes below ``pid`` (``pgrep -P``, available on Linux and macOS)."""
+    found, todo = [], [pid]
+    while todo:
+        out = subprocess.run(["pgrep", "-P", str(todo.pop())], capture_output=True, text=True)
+        children = [int(c) for c in out.stdout.split()]
+        found += children
+        todo += children
+    return found
+
+
+def _signal(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def _read_logs(log_dir: Path, stream: str) -> dict[int, str]:
+    """torchrun writes ``<log_dir>/<run_id>/attempt_0/<local_rank>/{stdout,stderr}.log``."""
+    logs = {}
+    for f in log_dir.glob(f"*/attempt_*/*/{stream}.log"):
+        logs[int(f.parent.name)] = f.read_text(errors="replace")
+    return logs
+
+
+def _worker_error(name: str, launcher_out: str, errs: dict[int, str], code: int) -> WorkerError:
+    # torchrun's summary names the first failure: "Root Cause ... rank      : 1 (local_rank: 1)"
+    m = re.search(r"Root Cause.*?rank\s*:\s*(\d+)", launcher_out, re.S)
+    failed = [r for r, t in sorted(errs.items()) if "Traceback (most recent call last)" in t]
+    rank = int(m.group(1)) if m else (failed[0] if failed else None)
+    if rank is not None and rank in errs:
+        msg = (f"{name}: rank {rank} failed (torchrun exit code {code}). Its stderr:\n"
+               f"{_tail(errs[rank], 60)}")
+        # Peers stopped by torchrun's SIGTERM printed their stacks (dist._install_stack_dumps):
+        # for a collective timeout, this shows where the rank that never arrived was.
+        for r, text in sorted(errs.items()):
+            if r != rank and "most recent call first" in text:
+                stack = text[text.rfind("Current thread"):] if "Current thread" in text else text
+                msg += f"\n----- rank {r} was stopped here -----\n{_tail(stack, 20)}"
+    else:  # failed before any worker started (bad arguments, import error in torchrun, ...)
+        msg = f"{name}: torchrun exited with code {code}:\n{_tail(launcher_out, 60)}"
+    return WorkerError(msg, rank, errs)
+
+
+def _tail(text: str, n: int) -> str:
+    lines = [ln for ln in text.rstrip().splitlines() if not ln.startswith(PROGRESS_TAG)]
+    return "\n".join((["..."] if len(lines) > n else []) + lines[-n:])
+
+
+class _ProgressBar:
+    """A tqdm bar fed by the ``report_progress`` lines rank 0 writes to its stdout log."""
+
+    def __init__(self, name: str, log_dir: Path):
+        from tqdm import tqdm
+
+        self.log_dir, self.pos, self.file = log_dir, 0, None
+        self.bar = tqdm(desc=name, unit="step", file=sys.stderr, dynamic_ncols=True,
+                        bar_format="{desc}: {percentage:3.0f}%|{bar:20}| {n}/{total} {postfix}")
+
+    def update(self) -> None:
+        if self.file is None:
+            found = list(self.log_dir.glob("*/attempt_*/0/stdout.log"))
+            if not found:
+                return
+            self.file = found[0]
+        with open(self.file, "rb") as f:
+            f.seek(self.pos)
+            chunk = f.read()
+        complete = chunk[: chunk.rfind(b"\n") + 1]  # only whole lines
+        self.pos += len(complete)
+        for line in complete.decode(errors="replace").splitlines():
+            if line.startswith(PROGRESS_TAG):
+                info = json.loads(line[len(PROGRESS_TAG):])
+                self.bar.total = info.pop("total")
+                self.bar.n = info.pop("step")
+                self.bar.set_postfix({k: f"{v:.4g}" for k, v in info.items()}, refresh=False)
+                self.bar.refresh()
+
+    def close(self) -> None:
+        self.update()
+        self.bar.close()

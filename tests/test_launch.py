@@ -1,0 +1,64 @@
+"""The launcher turns every failure into a prompt Python error naming the rank."""
+
+import time
+from pathlib import Path
+
+import pytest
+
+from minifsdp.launch import WorkerError, WorkerTimeout, torchrun
+
+WORKER = str(Path(__file__).parent / "workers" / "faulty.py")
+
+
+def test_results_come_back_per_rank():
+    run = torchrun(WORKER, "--mode", "ok", nproc=3, chapter="tests", name="launch_ok")
+    assert [r["rank"] for r in run.ranks] == [0, 1, 2]
+    assert all(r["sum"] == [6.0, 6.0] for r in run.ranks)  # 1 + 2 + 3
+    assert all(r["world_size"] == 3 for r in run.ranks)
+
+
+def test_crashing_rank_raises_with_its_traceback():
+    t0 = time.monotonic()
+    with pytest.raises(WorkerError) as err:
+        torchrun(WORKER, "--mode", "crash", nproc=2, chapter="tests", name="launch_crash",
+                 timeout=120)
+    assert time.monotonic() - t0 < 60, "a crash must not wait for the timeout"
+    assert err.value.rank == 1
+    assert "deliberate failure on rank 1" in str(err.value)
+    assert "rank 1 failed" in str(err.value)
+
+
+def test_rank_exiting_without_traceback_is_named():
+    with pytest.raises(WorkerError) as err:
+        torchrun(WORKER, "--mode", "exit", nproc=2, chapter="tests", name="launch_exit")
+    assert err.value.rank == 1
+    assert "exit" in str(err.value).lower()
+
+
+def test_hung_rank_fails_within_the_collective_timeout():
+    t0 = time.monotonic()
+    with pytest.raises(WorkerError) as err:
+        torchrun(WORKER, "--mode", "hang", nproc=2, chapter="tests", name="launch_hang",
+                 pg_timeout=3, timeout=120)
+    assert time.monotonic() - t0 < 60
+    msg = str(err.value)
+    assert err.value.rank == 0 and "Timed out" in msg
+    assert "rank 1 was stopped here" in msg and "faulty.py" in msg  # where the hung rank was
+
+
+def test_job_timeout_kills_everything_and_shows_stacks():
+    t0 = time.monotonic()
+    with pytest.raises(WorkerTimeout) as err:
+        # the collective timeout (60 s) is longer than the job's: the launcher must act
+        torchrun(WORKER, "--mode", "hang", nproc=2, chapter="tests", name="launch_timeout",
+                 pg_timeout=60, timeout=12)
+    assert time.monotonic() - t0 < 40
+    assert "did not finish within 12 s" in str(err.value)
+    assert "faulty.py" in str(err.value)  # the stacks dumped on SIGUSR1
+
+
+def test_wrong_world_size_is_a_clear_error():
+    with pytest.raises(WorkerError) as err:
+        torchrun(WORKER, "--mode", "ok", nproc=2, chapter="tests", name="launch_ws",
+                 env={"MINIFSDP_EXPECT_WORLD_SIZE": "4"})
+    assert "expects world size 4 but torchrun started 2" in str(err.value)

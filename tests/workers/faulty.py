@@ -1,0 +1,34 @@
+"""A worker that misbehaves on purpose, for tests/test_launch.py.
+
+    --mode ok     every rank all-reduces and reports
+    --mode crash  rank 1 raises before the collective
+    --mode hang   rank 1 sleeps forever, so rank 0 waits in all_reduce
+    --mode exit   rank 1 exits with code 3 without a traceback
+"""
+
+import argparse
+import os
+import time
+
+import torch
+import torch.distributed as dist
+
+from minifsdp.dist import dist_setup, finish, report_progress
+
+p = argparse.ArgumentParser()
+p.add_argument("--mode", default="ok")
+args = p.parse_args()
+
+info = dist_setup()
+t = torch.ones(2) * (info.rank + 1)
+if info.rank == 1:
+    if args.mode == "crash":
+        raise ValueError("deliberate failure on rank 1")
+    if args.mode == "hang":
+        time.sleep(10_000)
+    if args.mode == "exit":
+        os._exit(3)
+for i in range(3):
+    report_progress(i + 1, 3, loss=1.0 / (i + 1))
+dist.all_reduce(t)
+finish({"rank": info.rank, "world_size": info.world_size, "sum": t.tolist()})
