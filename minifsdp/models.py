@@ -1,0 +1,192 @@
+"""The two models the series trains.
+
+* ``MnistCNN`` -- the CNN of PyTorch's FSDP tutorial (1,199,882 parameters). Small enough
+  that every chapter can train it on CPU in seconds; big enough (``fc1`` holds 98% of the
+  parameters) that sharding it visibly changes memory.
+* ``GPT`` -- a small GPT-style decoder (pre-LayerNorm blocks, causal self-attention, MLP).
+  Depth and width are arguments, so the same class serves a 20k-parameter unit test and a
+  model whose optimizer state dominates memory.
+
+Note [dropout and parity]: dropout draws a random mask per sample. A single process
+training on the global batch draws *one* mask for all samples; N data-parallel ranks draw N
+masks from N generators. The two runs are then different computations, so parity tests build
+the models with ``dropout=0.0``. Nothing else in these models is random after init.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class MnistCNN(nn.Module):
+    """The FSDP tutorial's MNIST classifier.
+
+    Shapes: ``x`` ``(B, 1, 28, 28)`` float -> log-probabilities ``(B, 10)``.
+
+    Example:
+        >>> model = MnistCNN(dropout=0.0)
+        >>> model(torch.zeros(2, 1, 28, 28)).shape
+        torch.Size([2, 10])
+        >>> sum(p.numel() for p in model.parameters())
+        1199882
+    """
+
+    def __init__(self, dropout: float = 0.25):
+        super().__init__()
+        self.conv1 = nn.Conv2d(1, 32, 3, 1)
+        self.conv2 = nn.Conv2d(32, 64, 3, 1)
+        # The tutorial uses p=0.25 after pooling and p=0.5 after fc1; keep that ratio.
+        self.dropout1 = nn.Dropout(dropout)
+        self.dropout2 = nn.Dropout(min(2 * dropout, 0.9))
+        self.fc1 = nn.Linear(9216, 128)
+        self.fc2 = nn.Linear(128, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = F.relu(self.conv1(x))
+        x = F.relu(self.conv2(x))
+        x = F.max_pool2d(x, 2)
+        x = self.dropout1(x)
+        x = torch.flatten(x, 1)
+        x = F.relu(self.fc1(x))
+        x = self.dropout2(x)
+        x = self.fc2(x)
+        return F.log_softmax(x, dim=1)
+
+
+@dataclass
+class GPTConfig:
+    """Size of a ``GPT``. The defaults train in a few seconds on one CPU core."""
+
+    vocab_size: int = 64
+    seq_len: int = 64
+    n_layer: int = 2
+    n_head: int = 4
+    d_model: int = 64
+    dropout: float = 0.0
+    tie_embeddings: bool = False
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+class CausalSelfAttention(nn.Module):
+    """Multi-head attention with a causal mask. ``(B, T, C) -> (B, T, C)``."""
+
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        assert cfg.d_model % cfg.n_head == 0, "d_model must be divisible by n_head"
+        self.n_head = cfg.n_head
+        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model)
+        self.proj = nn.Linear(cfg.d_model, cfg.d_model)
+        self.dropout = cfg.dropout
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.shape
+        q, k, v = self.qkv(x).split(C, dim=2)
+        # (B, T, C) -> (B, n_head, T, head_dim)
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
+        )
+        return self.proj(y.transpose(1, 2).contiguous().view(B, T, C))
+
+
+class MLP(nn.Module):
+    """Position-wise feed-forward, 4x expansion. ``(B, T, C) -> (B, T, C)``."""
+
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.fc = nn.Linear(cfg.d_model, 4 * cfg.d_model)
+        self.proj = nn.Linear(4 * cfg.d_model, cfg.d_model)
+        self.drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.drop(self.proj(F.gelu(self.fc(x))))
+
+
+class Block(nn.Module):
+    """One pre-LayerNorm transformer block -- the unit that FSDP wraps in later chapters."""
+
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.ln1 = nn.LayerNorm(cfg.d_model)
+        self.attn = CausalSelfAttention(cfg)
+        self.ln2 = nn.LayerNorm(cfg.d_model)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class GPT(nn.Module):
+    """A small GPT-style language model.
+
+    Shapes: ``idx`` ``(B, T)`` int64 token ids with ``T <= cfg.seq_len`` -> logits
+    ``(B, T, vocab_size)``.
+
+    Example:
+        >>> model = GPT(GPTConfig(n_layer=2, d_model=32, n_head=4))
+        >>> model(torch.zeros(3, 16, dtype=torch.long)).shape
+        torch.Size([3, 16, 64])
+    """
+
+    def __init__(self, cfg: GPTConfig | None = None):
+        super().__init__()
+        self.cfg = cfg = cfg or GPTConfig()
+        self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.pos_emb = nn.Embedding(cfg.seq_len, cfg.d_model)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.ln_f = nn.LayerNorm(cfg.d_model)
+        self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.head.weight = self.tok_emb.weight
+        self.init_weights()
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """GPT-2 style init. Kept separate so meta-device init (chapter 05) can call it."""
+        for name, p in self.named_parameters():
+            if p.dim() >= 2:
+                std = 0.02
+                if name.endswith("proj.weight"):  # residual projections, scaled by depth
+                    std = 0.02 / math.sqrt(2 * self.cfg.n_layer)
+                nn.init.normal_(p, mean=0.0, std=std)
+            elif name.endswith("bias"):
+                nn.init.zeros_(p)
+            else:  # LayerNorm weights
+                nn.init.ones_(p)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        B, T = idx.shape
+        if T > self.cfg.seq_len:
+            raise ValueError(f"sequence length {T} exceeds the model's seq_len {self.cfg.seq_len}")
+        pos = torch.arange(T, device=idx.device)
+        x = self.tok_emb(idx) + self.pos_emb(pos)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x))
+
+
+def count_params(model: nn.Module) -> int:
+    """Number of distinct parameters (a tied weight counts once), i.e. the ZeRO paper's Ψ."""
+    return sum(p.numel() for p in model.parameters())
+
+
+def build_model(name: str, **kwargs) -> nn.Module:
+    """Build a model by name: ``"cnn"`` (``MnistCNN``) or ``"gpt"`` (``GPT``, kwargs -> GPTConfig).
+
+    Example:
+        >>> count_params(build_model("gpt", n_layer=1, d_model=32))
+        18912
+    """
+    if name == "cnn":
+        return MnistCNN(**kwargs)
+    if name == "gpt":
+        return GPT(GPTConfig(**kwargs))
+    raise ValueError(f"unknown model {name!r}; expected 'cnn' or 'gpt'")

@@ -1,0 +1,83 @@
+"""MNIST ships in data/, is verified, and is split across ranks without overlap."""
+
+import gzip
+import shutil
+
+import pytest
+import torch
+
+from minifsdp.data import (
+    MNIST_FILES,
+    MarkovTokens,
+    data_root,
+    global_batch_loader,
+    mnist,
+    prepare_mnist,
+    rank_loader,
+)
+
+
+@pytest.fixture
+def mnist_copy(tmp_path):
+    """A private copy of data/MNIST (the .gz files and checksums) to damage freely."""
+    src = data_root() / "MNIST"
+    dst = tmp_path / "MNIST"
+    dst.mkdir()
+    for f in [*(f"{n}.gz" for n in MNIST_FILES), "SHA256SUMS.raw"]:
+        shutil.copy(src / f, dst / f)
+    return tmp_path
+
+
+def test_real_mnist_matches_its_published_facts():
+    train = mnist(train=True)
+    labels = train.tensors[1]
+    assert len(train) == 60_000 and len(mnist(train=False)) == 10_000
+    assert labels[:10].tolist() == [5, 0, 4, 1, 9, 2, 1, 3, 1, 4]
+    assert torch.bincount(labels).tolist() == [5923, 6742, 5958, 6131, 5842, 5421, 5918,
+                                               6265, 5851, 5949]
+    assert abs(float(train.tensors[0].mean())) < 1e-3  # normalised with the tutorial's mean
+
+
+def test_corrupted_file_is_named_in_the_error(mnist_copy):
+    # Same length, different content: decompresses fine, fails the checksum.
+    gz = mnist_copy / "MNIST" / "t10k-labels-idx1-ubyte.gz"
+    raw = bytearray(gzip.decompress(gz.read_bytes()))
+    raw[100] ^= 0xFF
+    gz.write_bytes(gzip.compress(bytes(raw)))
+    with pytest.raises(ValueError, match=r"t10k-labels-idx1-ubyte\.gz failed its checksum"):
+        prepare_mnist(mnist_copy)
+    # the bad decompressed file is not left behind to be trusted next time
+    assert not (mnist_copy / "MNIST" / "raw" / "t10k-labels-idx1-ubyte").exists()
+
+
+def test_truncated_gzip_is_named_in_the_error(mnist_copy):
+    gz = mnist_copy / "MNIST" / "train-labels-idx1-ubyte.gz"
+    gz.write_bytes(gz.read_bytes()[:1000])
+    with pytest.raises(ValueError, match=r"train-labels-idx1-ubyte\.gz is corrupted"):
+        prepare_mnist(mnist_copy)
+
+
+def test_missing_file_is_named_in_the_error(mnist_copy):
+    (mnist_copy / "MNIST" / "train-images-idx3-ubyte.gz").unlink()
+    with pytest.raises(FileNotFoundError, match=r"train-images-idx3-ubyte\.gz"):
+        prepare_mnist(mnist_copy)
+
+
+def test_rank_shards_are_disjoint_and_union_is_the_global_batch():
+    ds = torch.utils.data.TensorDataset(torch.arange(40))
+    ws, local = 4, 2
+    shards = [[b[0] for b in rank_loader(ds, local, r, ws, seed=3)] for r in range(ws)]
+    seen = torch.cat([torch.cat(s) for s in shards])
+    assert len(set(seen.tolist())) == 40  # every sample exactly once per epoch
+    glob = [b[0] for b in global_batch_loader(ds, local, ws, seed=3)]
+    for step, g in enumerate(glob):  # step k's global batch = the ranks' k-th batches
+        assert torch.equal(g, torch.cat([shards[r][step] for r in range(ws)]))
+
+
+def test_markov_tokens_loss_floor():
+    ds = MarkovTokens(vocab_size=16, seq_len=8, num_seqs=4, branching=1)
+    assert ds.entropy_rate == pytest.approx(0.0, abs=1e-9)  # deterministic chain
+    ds = MarkovTokens(vocab_size=64, branching=4)
+    assert 0 < ds.entropy_rate < torch.log(torch.tensor(4.0)).item()
+    x, y = ds[5]
+    assert torch.equal(x[1:], y[:-1])
