@@ -1,0 +1,102 @@
+"""Ring all-reduce == dist.all_reduce, measured bytes == theory, and the comm log's records.
+
+One torchrun launch per world size runs every check (tests/workers/comm_worker.py); the
+tests below assert on the values each rank reported.
+"""
+
+import math
+from pathlib import Path
+
+import pytest
+
+from minifsdp.launch import torchrun
+
+WORKER = str(Path(__file__).parent / "workers" / "comm_worker.py")
+
+
+@pytest.fixture(scope="module", params=[2, 3, 4], ids=lambda n: f"N{n}")
+def ranks(request):
+    n = request.param
+    return torchrun(WORKER, nproc=n, chapter="tests", name=f"comm_{n}", timeout=120).ranks
+
+
+def test_ring_all_reduce_is_exact_on_integer_values(ranks):
+    n = len(ranks)
+    for r in ranks:
+        assert len(r["exact"]) == 15
+        for case, res in r["exact"].items():
+            assert res["equal"], (r["rank"], case, res)
+            # rank q holds arange * (q + 1): the sum is arange * N(N+1)/2, whatever the shape
+            flat = [v for row in res["ring"] for v in (row if isinstance(row, list) else [row])]
+            expected = [i * n * (n + 1) // 2 for i in range(len(flat))]
+            if case.startswith("5x3_t"):  # the transposed view reads the (5, 3) data by column
+                expected = [i * n * (n + 1) // 2 for i in
+                            (c * 3 + rr for rr in range(3) for c in range(5))]
+            assert flat == expected, (r["rank"], case)
+
+
+def test_ring_all_reduce_random_fp32_matches(ranks):
+    for r in ranks:
+        for numel, res in r["random"].items():
+            assert res["max_abs_diff"] < 5e-6, (r["rank"], numel, res)  # a few ulps of ~N
+            assert res["same_on_all_ranks"], (r["rank"], numel)
+
+
+def test_other_ops_and_both_phases(ranks):
+    for r in ranks:
+        assert r["ops"]["MAX"] == 0.0 and r["ops"]["MIN"] == 0.0, r["ops"]
+        assert r["ops"]["AVG"] < 1e-6, r["ops"]
+        assert r["phases"] == {"reduce_scatter_equal": True, "input_untouched": True,
+                               "all_gather_equal": True}
+
+
+def test_measured_ring_bytes_equal_theory(ranks):
+    n = len(ranks)
+    for r in ranks:
+        w = r["wire"]["12000"]  # N divides 12000: exactly 2(N-1)/N * S
+        assert w["sent"] == 2 * (n - 1) / n * 12000 * 4
+        assert w["sends"] == 2 * (n - 1)
+        assert w["received"] == w["sent"]
+        assert w["tags"] == sorted([f"ring reduce-scatter step {k}" for k in range(n - 1)]
+                                   + [f"ring all-gather step {k}" for k in range(n - 1)])
+        w = r["wire"]["1001"]  # padded to N * ceil(1001 / N) elements
+        assert w["sent"] == 2 * (n - 1) * math.ceil(1001 / n) * 4
+        assert 0 <= w["sent"] - 2 * (n - 1) / n * 1001 * 4 < 2 * n * 4
+
+
+def test_ring_on_a_subgroup(ranks):
+    n = len(ranks)
+    evens = range(0, n, 2)
+    for r in ranks:
+        if r["rank"] in evens:
+            assert r["subgroup"] == [float(sum(evens))] * 5
+        else:
+            assert "subgroup" not in r
+
+
+def test_logged_collectives_record_ring_formulas(ranks):
+    n = len(ranks)
+    s = 4000 * n  # bytes of the full tensor: 1000 * N fp32
+    for r in ranks:
+        log = r["log"]
+        assert [tuple(x) for x in log["ops"][:5]] == [
+            ("comm", "all_reduce", s, 2 * (n - 1) / n * s, n, "bucket 0"),
+            ("comm", "reduce_scatter", s, (n - 1) / n * s, n, None),
+            ("comm", "all_gather", s // n, (n - 1) / n * s, n, None),
+            ("comm", "broadcast", s, s, n, None),
+            ("comm", "all_to_all", s, (n - 1) / n * s, n, None),
+        ]
+        assert log["inner_ops"] == ["all_reduce", "reduce_scatter", "all_gather", "broadcast",
+                                    "all_to_all"]
+        assert [x[:2] for x in log["ops"][5:]] == [["compute", "compute"], ["comm", "all_reduce"]]
+        assert log["json_keys"] == sorted(["kind", "op", "bytes", "wire_bytes", "group_size",
+                                           "dtype", "shape", "t_start", "t_end", "tag"])
+        assert log["span"][1] - log["span"][0] >= 0.05
+        assert log["process_log_has_them"]
+
+
+def test_async_end_time_is_stamped_at_wait(ranks):
+    for r in ranks:
+        log = r["log"]
+        assert log["async_end_before_wait"] is None
+        assert log["async_t_end"] >= log["async_t_wait"]  # recorded after wait() returned

@@ -1,0 +1,117 @@
+"""Worker for tests/test_comm.py: runs every check of minifsdp.comm / minifsdp.ring at one
+world size and reports raw values; the test asserts on them (so a failure shows numbers)."""
+
+import time
+
+import torch
+import torch.distributed as dist
+
+from minifsdp import comm
+from minifsdp.dist import dist_setup, finish, seed_everything
+from minifsdp.ring import ring_all_gather, ring_all_reduce, ring_reduce_scatter
+
+info = dist_setup()
+rank, n = info.rank, info.world_size
+out: dict = {"rank": rank, "world_size": n}
+
+
+def same_on_all_ranks(t: torch.Tensor) -> bool:
+    everyone = [torch.empty_like(t) for _ in range(n)]
+    dist.all_gather(everyone, t.contiguous())
+    return all(torch.equal(e, everyone[0]) for e in everyone)
+
+
+# 1. Exact: integer-valued tensors, rank r holds arange * (r + 1). Shapes cover numel
+#    divisible and not divisible by N, smaller than N, 2-D, and a non-contiguous view.
+exact = {}
+cases = {"7": (7,), "12": (12,), "1": (1,), "3x5": (3, 5), "5x3_t": (5, 3)}
+for name, shape in cases.items():
+    for dtype in (torch.float32, torch.int64, torch.bfloat16):
+        x = (torch.arange(torch.Size(shape).numel()) * (rank + 1)).to(dtype).reshape(shape)
+        if name.endswith("_t"):
+            x = x.t()  # (3, 5), non-contiguous
+        ref, ours = x.clone(), x.clone()
+        dist.all_reduce(ref)
+        ring_all_reduce(ours)
+        exact[f"{name}/{dtype}"] = {"ring": ours.float().tolist(), "ref": ref.float().tolist(),
+                                    "equal": torch.equal(ours, ref)}
+out["exact"] = exact
+
+# 2. Random fp32: summation order differs from gloo's, so compare with a tolerance.
+seed_everything(100 + rank)
+rand = {}
+for numel in (1000, 4097):
+    x = torch.randn(numel)
+    ref, ours = x.clone(), x.clone()
+    dist.all_reduce(ref)
+    ring_all_reduce(ours)
+    rand[numel] = {"max_abs_diff": (ours - ref).abs().max().item(),
+                   "same_on_all_ranks": same_on_all_ranks(ours)}
+out["random"] = rand
+
+# 3. Other ops, and each phase against its torch counterpart.
+x = torch.randn(2 * n + 1)
+ops = {}
+for op_name in ("AVG", "MAX", "MIN"):
+    op = getattr(dist.ReduceOp, op_name)
+    ref, ours = x.clone(), x.clone()
+    dist.all_reduce(ref, op)
+    ring_all_reduce(ours, op)
+    ops[op_name] = (ours - ref).abs().max().item()
+out["ops"] = ops
+full = torch.arange(3 * n, dtype=torch.float32) + 100 * rank
+rs_ref, rs_ours = torch.empty(3), torch.empty(3)
+dist.reduce_scatter_tensor(rs_ref, full)
+ring_reduce_scatter(rs_ours, full)
+ag_ref, ag_ours = torch.empty(3 * n), torch.empty(n, 3)  # ours takes any contiguous shape
+dist.all_gather_into_tensor(ag_ref, rs_ref)
+ring_all_gather(ag_ours, rs_ref)
+out["phases"] = {"reduce_scatter_equal": torch.equal(rs_ours, rs_ref),
+                 "input_untouched": torch.equal(full, torch.arange(3 * n) + 100.0 * rank),
+                 "all_gather_equal": torch.equal(ag_ours.view(-1), ag_ref)}
+
+# 4. Bytes each rank actually sent in a ring all-reduce, divisible and padded.
+wire = {}
+for numel in (12_000, 1001):
+    with comm.logging_comm() as log:
+        ring_all_reduce(torch.ones(numel))
+    wire[numel] = {"sent": log.total_bytes("send", wire=True), "sends": len(log.comms("send")),
+                   "received": log.total_bytes("recv"),
+                   "tags": sorted({r.tag for r in log.comms()})}
+out["wire"] = wire
+
+# 5. A subgroup: the ring over the even ranks only (group ranks != global ranks).
+evens = list(range(0, n, 2))
+group = dist.new_group(evens)
+if rank in evens:
+    t = torch.full((5,), float(rank))
+    ring_all_reduce(t, group=group)
+    out["subgroup"] = t.tolist()
+
+# 6. The log: formulas of the logged collectives, nesting, spans, and async end times.
+with comm.logging_comm() as log:
+    with comm.logging_comm() as inner:
+        big = torch.ones(1000 * n)
+        comm.all_reduce(big, tag="bucket 0")
+        comm.reduce_scatter_tensor(torch.empty(1000), big)
+        comm.all_gather_into_tensor(big, torch.ones(1000))
+        comm.broadcast(big, src=0)
+        comm.all_to_all_single(torch.empty_like(big), big)
+    with log.span("compute"):
+        time.sleep(0.05)
+    work = comm.all_reduce(torch.ones(10), async_op=True, tag="async")
+    end_before_wait = log.records[-1].t_end
+    time.sleep(0.2)
+    t_wait = time.perf_counter() - log.t0
+    work.wait()
+out["log"] = {
+    "ops": [(r.kind, r.op, r.bytes, r.wire_bytes, r.group_size, r.tag) for r in log.records],
+    "inner_ops": [r.op for r in inner.records],
+    "json_keys": sorted(log.to_list()[0]),
+    "async_end_before_wait": end_before_wait,
+    "async_t_wait": t_wait,
+    "async_t_end": log.records[-1].t_end,
+    "span": [log.records[-2].t_start, log.records[-2].t_end],
+    "process_log_has_them": len(comm.comm_log().comms()) >= len(log.comms()),
+}
+finish(out)
