@@ -1,0 +1,157 @@
+"""Plots every chapter reuses: loss curves, memory timelines by category, peak bars.
+
+All functions take the plain JSON objects that workers write (``RunResult.ranks[r]``) and an
+optional matplotlib ``Axes``; they return the ``Axes`` so a notebook can adjust titles.
+Memory is shown in MiB (2**20 bytes), time in the tracker's event order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import matplotlib.pyplot as plt
+
+MiB = 2**20
+CATEGORIES = ("params", "grads", "optimizer", "activations", "comm", "other")
+COLORS = {"params": "#4C72B0", "grads": "#DD8452", "optimizer": "#55A868",
+          "activations": "#C44E52", "comm": "#8172B3", "other": "#937860"}
+
+
+def _ax(ax):
+    if ax is None:
+        _, ax = plt.subplots(figsize=(8, 4))
+    return ax
+
+
+def plot_losses(curves: Mapping[str, Sequence[float]], ax=None, title="Training loss",
+                ylabel="loss (nats)", styles: Mapping[str, dict] | None = None):
+    """One line per run. ``curves``: label -> loss per step.
+
+    Example:
+        >>> plot_losses({"torch DDP": run.ranks[0]["losses"]})   # doctest: +SKIP
+    """
+    ax = _ax(ax)
+    for label, losses in curves.items():
+        ax.plot(range(1, len(losses) + 1), losses, label=label, **(styles or {}).get(label, {}))
+    ax.set(title=title, xlabel="step", ylabel=ylabel)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    return ax
+
+
+def plot_memory_timeline(memory: Mapping, ax=None, title="Live tensor memory", legend=True):
+    """Stacked area of live bytes per category over one tracked step.
+
+    ``memory`` is a ``MemoryTracker.to_dict()``: its ``timeline`` holds samples
+    ``{"i", "phase", "total", <category>: bytes}``. The step's coarse phases (forward,
+    backward, optimizer step, ...) are drawn as labelled bands; the peak is marked with the
+    fine-grained phase it happened in (e.g. ``backward conv2``).
+    """
+    ax = _ax(ax)
+    tl = memory["timeline"]
+    xs = list(range(len(tl)))
+    cats = [c for c in CATEGORIES if any(s.get(c, 0) for s in tl)]
+    ax.stackplot(xs, *[[s.get(c, 0) / MiB for s in tl] for c in cats], labels=cats,
+                 colors=[COLORS[c] for c in cats], alpha=0.85, step="post")
+    top = max(s["total"] for s in tl) / MiB
+    for k, (start, end, phase) in enumerate(_phase_spans([_coarse(s["phase"]) for s in tl])):
+        ax.axvspan(start, end, color="0.93" if k % 2 else "white", zorder=0)
+        if end - start >= 0.06 * len(tl):
+            ax.text((start + end) / 2, top * 1.04, phase, ha="center", va="bottom", fontsize=8)
+    i_peak = max(xs, key=lambda i: tl[i]["total"])
+    ax.annotate(f"peak {tl[i_peak]['total'] / MiB:.2f} MiB\n({tl[i_peak]['phase']})",
+                (i_peak, top), xytext=(i_peak, top * 1.2), fontsize=8, ha="center",
+                arrowprops={"arrowstyle": "->", "color": "0.3"})
+    ax.set(title=title, xlabel="memory event (order within the step)",
+           ylabel="live memory (MiB)", ylim=(0, top * 1.38), xlim=(0, max(xs[-1], 1)))
+    if legend:
+        ax.legend(loc="upper left", fontsize=7, ncol=len(cats), frameon=False,
+                  bbox_to_anchor=(0, -0.14))
+    return ax
+
+
+def _coarse(phase: str) -> str:
+    """``"forward conv1"`` -> ``"forward"``: the step-level phase of a fine-grained one."""
+    first = phase.split(" ", 1)[0]
+    return first if first in ("forward", "backward") else phase
+
+
+def _phase_spans(phases):
+    """Contiguous runs of the same phase name: ``[(start, end, phase), ...]``."""
+    spans, start = [], 0
+    for i in range(1, len(phases) + 1):
+        if i == len(phases) or phases[i] != phases[start]:
+            spans.append((start, i, phases[start]))
+            start = i
+    return spans
+
+
+def plot_peak_bars(labels: Sequence[str], measured: Sequence[float],
+                   predicted: Sequence[float] | None = None, ax=None,
+                   title="Peak memory: predicted vs measured", ylabel="peak memory (MiB)"):
+    """Grouped bars, bytes in, MiB shown, each bar labelled with its value."""
+    ax = _ax(ax)
+    xs = range(len(labels))
+    width = 0.4 if predicted is not None else 0.6
+    series = [("measured", measured, "#4C72B0")]
+    if predicted is not None:
+        series.insert(0, ("predicted (analytic)", predicted, "#BBBBBB"))
+    for k, (name, values, color) in enumerate(series):
+        offs = (k - (len(series) - 1) / 2) * width
+        bars = ax.bar([x + offs for x in xs], [v / MiB for v in values], width, label=name,
+                      color=color)
+        ax.bar_label(bars, fmt="%.2f", fontsize=7)
+    ax.set_xticks(list(xs), labels, rotation=15 if max(map(len, labels)) > 10 else 0)
+    ax.set(title=title, ylabel=ylabel)
+    ax.grid(axis="y", alpha=0.3)
+    ax.legend()
+    return ax
+
+
+def plot_category_bars(breakdowns: Mapping[str, Mapping[str, float]], ax=None,
+                       title="Memory at the peak, by category", ylabel="memory (MiB)"):
+    """Stacked bars: one bar per run/rank, one segment per category (bytes in)."""
+    ax = _ax(ax)
+    labels = list(breakdowns)
+    bottom = [0.0] * len(labels)
+    for c in CATEGORIES:
+        vals = [breakdowns[lab].get(c, 0) / MiB for lab in labels]
+        if any(vals):
+            ax.bar(labels, vals, bottom=bottom, label=c, color=COLORS[c])
+            bottom = [b + v for b, v in zip(bottom, vals)]
+    ax.set(title=title, ylabel=ylabel)
+    ax.grid(axis="y", alpha=0.3)
+    ax.legend(fontsize=8)
+    return ax
+
+
+def plot_collectives(ranks: Sequence[Mapping], ops: Sequence[str] | None = None):
+    """One row per collective: every rank's input (left) and output (right) as a grid of the
+    actual numbers, from ``minifsdp.demos.collectives --demo collectives``.
+
+    ``ranks[r]["collectives"][op] = {"input": [...], "output": [...]}``.
+    """
+    ops = list(ops or ranks[0]["collectives"])
+    n = len(ranks)
+    fig, axes = plt.subplots(len(ops), 2, figsize=(10, 1.15 * n * len(ops) / 2 + 1),
+                             gridspec_kw={"width_ratios": [1, 1]}, squeeze=False)
+    for row, op in enumerate(ops):
+        for col, key in enumerate(("input", "output")):
+            ax = axes[row][col]
+            vals = [r["collectives"][op][key] for r in ranks]
+            width = max(map(len, vals))
+            ax.set_xlim(-0.5, width - 0.5)
+            ax.set_ylim(n - 0.5, -0.5)
+            for r, v in enumerate(vals):
+                for j, x in enumerate(v):
+                    ax.add_patch(plt.Rectangle((j - 0.45, r - 0.4), 0.9, 0.8,
+                                               color=plt.cm.tab10(r % 10), alpha=0.25))
+                    ax.text(j, r, f"{x:g}", ha="center", va="center", fontsize=8)
+            ax.set_yticks(range(n), [f"rank {r}" for r in range(n)], fontsize=8)
+            ax.set_xticks([])
+            for side in ("top", "right", "bottom"):
+                ax.spines[side].set_visible(False)
+            ax.set_title(f"{op}: {key}", fontsize=10, loc="left")
+    fig.suptitle("Collectives on 4 processes: what each rank holds before and after")
+    fig.tight_layout()
+    return fig

@@ -1,0 +1,261 @@
+"""One training entry point for every chapter, run under torchrun.
+
+    python -m torch.distributed.run --standalone --nproc-per-node 2 \\
+        -m minifsdp.train --strategy torch_ddp --model cnn --steps 50 --global-batch 64
+
+Each rank writes ``rank{r}.json`` (via ``minifsdp.dist.finish``) with the global loss of every
+step, step times, the memory timeline of the tracked steps, the communication log and the
+run's configuration. Notebooks launch it with ``minifsdp.launch.torchrun`` and plot the JSON.
+
+Strategies are registered by name in ``STRATEGIES``; each chapter adds its own (``ddp``,
+``zero1``, ``fsdp2`` ...) next to the PyTorch implementation it is checked against.
+
+Note [global loss]: every strategy logs the loss of the *global* batch (the mean over ranks
+of the local mean losses, all equal-sized), so loss curves of a 1-process and an N-process
+run are directly comparable; see Note [same global batch] in ``minifsdp.data``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import time
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+from minifsdp import comm
+from minifsdp.data import MarkovTokens, global_batch_loader, mnist, rank_loader
+from minifsdp.dist import DistInfo, dist_setup, finish, report_progress, seed_everything
+from minifsdp.memory import MemoryTracker
+from minifsdp.models import build_model, count_params
+
+# name -> function(model, info, args) returning the module to train (wrapped in place or not)
+STRATEGIES: dict[str, Callable[[nn.Module, DistInfo, argparse.Namespace], nn.Module]] = {}
+
+
+def strategy(name: str):
+    """Register a data-parallel strategy under ``name`` (decorator)."""
+
+    def register(fn):
+        STRATEGIES[name] = fn
+        return fn
+
+    return register
+
+
+@strategy("single")
+def _single(model, info, args):
+    if info.world_size != 1:
+        raise ValueError(f"--strategy single runs on one process, got world size {info.world_size}")
+    return model
+
+
+@strategy("torch_ddp")
+def _torch_ddp(model, info, args):
+    from torch.nn.parallel import DistributedDataParallel
+
+    ids = [info.device.index] if info.device.type == "cuda" else None
+    return DistributedDataParallel(model, device_ids=ids)
+
+
+@strategy("torch_fsdp1")
+def _torch_fsdp1(model, info, args):
+    # FSDP1 runs on CPU only when told its device is the CPU (DESIGN.md, measured).
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    return FullyShardedDataParallel(model, device_id=info.device, use_orig_params=True)
+
+
+@strategy("torch_fsdp2")
+def _torch_fsdp2(model, info, args):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh(info.device.type, (info.world_size,))
+    for unit in shard_units(model):  # bottom-up: children before the root
+        fully_shard(unit, mesh=mesh)
+    return fully_shard(model, mesh=mesh)
+
+
+def shard_units(model: nn.Module) -> list[nn.Module]:
+    """The sub-modules that FSDP wraps as units: transformer blocks, or the CNN's layers."""
+    if hasattr(model, "blocks"):
+        return list(model.blocks)
+    return [m for m in model.children() if any(True for _ in m.parameters())]
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--strategy", default="single", help=f"one of {sorted(STRATEGIES)}")
+    p.add_argument("--model", choices=["cnn", "gpt"], default="cnn")
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--global-batch", type=int, default=64)
+    p.add_argument("--data-shards", type=int, default=None,
+                   help="ranks the data is split for (default: world size); with --strategy "
+                   "single, N reproduces the global batches of an N-rank run")
+    p.add_argument("--optimizer", choices=["adam", "adamw", "sgd", "adadelta"], default="adam")
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--dropout", type=float, default=0.0, help="see Note [dropout and parity]")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--n-layer", type=int, default=2)
+    p.add_argument("--d-model", type=int, default=64)
+    p.add_argument("--n-head", type=int, default=4)
+    p.add_argument("--seq-len", type=int, default=64)
+    p.add_argument("--vocab-size", type=int, default=64)
+    p.add_argument("--track-memory", type=int, default=0, metavar="K",
+                   help="record the memory timeline of the first K steps")
+    p.add_argument("--eval", action="store_true", help="report test accuracy at the end")
+    p.add_argument("--save-params", action="store_true",
+                   help="rank 0 saves the full final parameters to <out>/params.pt")
+    args = p.parse_args(argv)
+    if args.strategy not in STRATEGIES:
+        p.error(f"unknown --strategy {args.strategy!r}; choose from {sorted(STRATEGIES)}")
+    return args
+
+
+def make_model(args: argparse.Namespace) -> nn.Module:
+    if args.model == "cnn":
+        return build_model("cnn", dropout=args.dropout)
+    return build_model("gpt", vocab_size=args.vocab_size, seq_len=args.seq_len,
+                       n_layer=args.n_layer, n_head=args.n_head, d_model=args.d_model,
+                       dropout=args.dropout)
+
+
+def make_optimizer(params, args: argparse.Namespace) -> torch.optim.Optimizer:
+    if args.optimizer == "adam":
+        return torch.optim.Adam(params, lr=args.lr)
+    if args.optimizer == "adamw":
+        return torch.optim.AdamW(params, lr=args.lr, weight_decay=0.1)
+    if args.optimizer == "adadelta":  # the FSDP tutorial's choice (lr=1.0)
+        return torch.optim.Adadelta(params, lr=args.lr)
+    return torch.optim.SGD(params, lr=args.lr)
+
+
+def make_batches(args: argparse.Namespace, info: DistInfo):
+    """Yield ``(inputs, targets)`` for this rank; see Note [same global batch]."""
+    shards = args.data_shards or info.world_size
+    if args.global_batch % shards:
+        raise ValueError(f"--global-batch {args.global_batch} is not divisible by "
+                         f"{shards} ranks: every rank needs the same local batch size")
+    if args.strategy != "single" and shards != info.world_size:
+        raise ValueError(f"--data-shards {shards} != world size {info.world_size}")
+    if args.model == "cnn":
+        ds = mnist(train=True)
+    else:
+        ds = MarkovTokens(args.vocab_size, args.seq_len, seed=1234)
+    local = args.global_batch // shards
+    epoch = 0
+    while True:  # restart the loaders each epoch (sampler seed + epoch = a new shuffle)
+        seed = args.seed + epoch
+        it = (global_batch_loader(ds, local, shards, seed) if args.strategy == "single"
+              else rank_loader(ds, local, info.rank, info.world_size, seed))
+        for x, y in it:
+            yield x.to(info.device), y.to(info.device)
+        epoch += 1
+
+
+def loss_fn(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    if out.dim() == 3:  # GPT logits (B, T, V)
+        return F.cross_entropy(out.flatten(0, 1), y.flatten())
+    return F.nll_loss(out, y)
+
+
+def train_step(model, opt, x, y, tracker: MemoryTracker | None = None) -> torch.Tensor:
+    """forward -> backward -> optimizer step -> zero_grad, in named memory phases."""
+    phase = tracker.phase if tracker else (lambda name: contextlib.nullcontext())
+    with phase("forward"):
+        loss = loss_fn(model(x), y)
+    with phase("backward"):
+        loss.backward()
+    with phase("optimizer step"):
+        opt.step()
+    with phase("zero_grad"):
+        opt.zero_grad(set_to_none=True)
+    return loss.detach()
+
+
+def global_mean(t: torch.Tensor, info: DistInfo) -> float:
+    if info.world_size > 1:
+        t = t.clone()
+        dist.all_reduce(t)
+        t /= info.world_size
+    return float(t)
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, info: DistInfo) -> dict:
+    """Test accuracy on MNIST's 10,000 test images, split across ranks and summed."""
+    model.eval()
+    ds = mnist(train=False)
+    correct = torch.zeros(2, device=info.device)
+    for x, y in rank_loader(ds, 500, info.rank, info.world_size, seed=0):
+        pred = model(x.to(info.device)).argmax(1)
+        correct += torch.stack([(pred == y.to(info.device)).sum(), torch.tensor(len(y))])
+    if info.world_size > 1:
+        dist.all_reduce(correct)
+    model.train()
+    return {"test_accuracy": float(correct[0] / correct[1]), "test_samples": int(correct[1])}
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    info = dist_setup()
+    seed_everything(args.seed)  # same init on every rank
+    model = make_model(args).to(info.device)
+    n_params = count_params(model)
+    model = STRATEGIES[args.strategy](model, info, args)
+    opt = make_optimizer(model.parameters(), args)
+    batches = make_batches(args, info)
+
+    log = comm.comm_log()
+    log.clear()
+    losses, step_times, memory = [], [], []
+    for step in range(args.steps):
+        x, y = next(batches)
+        tracker = None
+        if step < args.track_memory:
+            tracker = MemoryTracker(model=model, optimizer=opt, device=info.device)
+            tracker.track_modules(model)
+        t0 = time.perf_counter()
+        if tracker:
+            with tracker:
+                loss = train_step(model, opt, x, y, tracker)
+            memory.append(tracker.to_dict())
+        else:
+            loss = train_step(model, opt, x, y)
+        step_times.append(time.perf_counter() - t0)
+        losses.append(global_mean(loss, info))
+        report_progress(step + 1, args.steps, loss=losses[-1])
+
+    results = {
+        "strategy": args.strategy, "model": args.model, "rank": info.rank,
+        "world_size": info.world_size, "device": str(info.device), "backend": info.backend,
+        "num_params": n_params, "config": vars(args), "losses": losses,
+        "step_times": step_times, "memory": memory, "comm": log.to_list(),
+    }
+    if args.eval:
+        results.update(evaluate(model, info))
+    if args.save_params:
+        save_full_params(model, info)
+    finish(results)
+
+
+def save_full_params(model: nn.Module, info: DistInfo) -> None:
+    """Gather the full (unsharded) parameters and save them from rank 0 for parity checks."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    from minifsdp.dist import results_dir
+
+    sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True,
+                                                               cpu_offload=True))
+    if info.rank == 0:
+        results_dir().mkdir(parents=True, exist_ok=True)
+        torch.save({k: v.detach().cpu() for k, v in sd.items()}, results_dir() / "params.pt")
+
+
+if __name__ == "__main__":
+    main()
