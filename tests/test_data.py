@@ -81,3 +81,13 @@ def test_markov_tokens_loss_floor():
     assert 0 < ds.entropy_rate < torch.log(torch.tensor(4.0)).item()
     x, y = ds[5]
     assert torch.equal(x[1:], y[:-1])
+
+
+def test_verified_file_changed_later_is_checked_again(mnist_copy):
+    prepare_mnist(mnist_copy)  # decompress, verify, stamp
+    raw = mnist_copy / "MNIST" / "raw" / "t10k-labels-idx1-ubyte"
+    data = bytearray(raw.read_bytes())
+    data[200] ^= 0xFF
+    raw.write_bytes(bytes(data))  # same size, new mtime: the stamp no longer vouches for it
+    with pytest.raises(ValueError, match=r"t10k-labels-idx1-ubyte\.gz failed its checksum"):
+        prepare_mnist(mnist_copy)
