@@ -13,6 +13,15 @@ Strategies are registered by name in ``STRATEGIES``; each chapter adds its own (
 Note [global loss]: every strategy logs the loss of the *global* batch (the mean over ranks
 of the local mean losses, all equal-sized), so loss curves of a 1-process and an N-process
 run are directly comparable; see Note [same global batch] in ``minifsdp.data``.
+
+Note [bitwise parity]: what N data-parallel ranks compute is the *average of N shard
+gradients*, each the gradient of a B/N-sample mean. One process can compute exactly that:
+run the N shards as micro-batches, backpropagate ``loss_r / N`` (scaling by 1/N is exact for
+N a power of two) and let ``.grad`` accumulate. ``--strategy single --data-shards N`` does
+this, and matches DDP and FSDP bit for bit at N = 2 (tests/test_train.py). The textbook
+reference, one backward of the 64-sample mean (``--full-batch``), is the same mathematics but
+a different float sum: it agrees to rounding (~1e-7), and Adam, which divides by the
+gradient's own magnitude, can amplify that to ~1e-6 in the weights within a few steps.
 """
 
 from __future__ import annotations
@@ -97,6 +106,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--data-shards", type=int, default=None,
                    help="ranks the data is split for (default: world size); with --strategy "
                    "single, N reproduces the global batches of an N-rank run")
+    p.add_argument("--full-batch", action="store_true",
+                   help="with --strategy single: one backward over the whole global batch "
+                   "instead of accumulating its --data-shards micro-batches "
+                   "(Note [bitwise parity])")
     p.add_argument("--optimizer", choices=["adam", "adamw", "sgd", "adadelta"], default="adam")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--dropout", type=float, default=0.0, help="see Note [dropout and parity]")
@@ -164,18 +177,28 @@ def loss_fn(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return F.nll_loss(out, y)
 
 
-def train_step(model, opt, x, y, tracker: MemoryTracker | None = None) -> torch.Tensor:
-    """forward -> backward -> optimizer step -> zero_grad, in named memory phases."""
+def train_step(model, opt, x, y, tracker: MemoryTracker | None = None,
+               micro_batches: int = 1) -> torch.Tensor:
+    """forward -> backward -> optimizer step -> zero_grad, in named memory phases.
+
+    With ``micro_batches = N`` the batch is split into N equal parts whose gradients
+    accumulate, each loss scaled by 1/N (Note [bitwise parity]). Returns the batch's mean loss.
+    """
     phase = tracker.phase if tracker else (lambda name: contextlib.nullcontext())
-    with phase("forward"):
-        loss = loss_fn(model(x), y)
-    with phase("backward"):
-        loss.backward()
+    losses = []
+    for xs, ys in zip(x.chunk(micro_batches), y.chunk(micro_batches)):
+        with phase("forward"):
+            loss = loss_fn(model(xs), ys)
+        with phase("backward"):
+            (loss / micro_batches if micro_batches > 1 else loss).backward()
+        losses.append(loss.detach())
     with phase("optimizer step"):
         opt.step()
     with phase("zero_grad"):
         opt.zero_grad(set_to_none=True)
-    return loss.detach()
+    # Summed then divided, in rank order: the same float operations as global_mean's
+    # all-reduce over N ranks.
+    return torch.stack(losses).sum() / micro_batches if micro_batches > 1 else losses[0]
 
 
 def global_mean(t: torch.Tensor, info: DistInfo) -> float:
@@ -211,6 +234,7 @@ def main(argv: list[str] | None = None) -> None:
     opt = make_optimizer(model.parameters(), args)
     batches = make_batches(args, info)
 
+    micro = (args.data_shards or 1) if args.strategy == "single" and not args.full_batch else 1
     log = comm.comm_log()
     log.clear()
     losses, step_times, memory = [], [], []
@@ -223,10 +247,11 @@ def main(argv: list[str] | None = None) -> None:
         t0 = time.perf_counter()
         if tracker:
             with tracker:
-                loss = train_step(model, opt, x, y, tracker)
+                tracker.register((x, y), "activations")  # the first layer saves the batch
+                loss = train_step(model, opt, x, y, tracker, micro)
             memory.append(tracker.to_dict())
         else:
-            loss = train_step(model, opt, x, y)
+            loss = train_step(model, opt, x, y, micro_batches=micro)
         step_times.append(time.perf_counter() - t0)
         losses.append(global_mean(loss, info))
         report_progress(step + 1, args.steps, loss=losses[-1])

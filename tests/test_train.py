@@ -1,0 +1,194 @@
+"""``minifsdp.train`` under torchrun: every data-parallel strategy trains the same model as one
+process fed the same global batches (Note [same global batch]), and bad arguments fail with
+an error that says what is wrong.
+
+A launch costs 8-15 s on 2 cores, mostly importing torch and torchvision, during which a
+core is often idle. The module fixture ``launched`` therefore starts every job the selected
+tests need, ``PARALLEL`` at a time (10 jobs: ~60 s instead of ~120 s), and each test waits for
+the ones it reads. All jobs use gloo on the CPU, also on a machine with GPUs.
+"""
+
+import functools
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import pytest
+import torch
+
+from minifsdp.launch import RunResult, WorkerError, torchrun
+
+PARALLEL = 2  # torchrun jobs at once; 1 runs them one after another
+GLOO = {"MINIFSDP_BACKEND": "gloo"}
+STEPS, GLOBAL_BATCH, WORLD = 4, 32, 2
+MODEL_ARGS = {
+    "cnn": ("--model", "cnn", "--optimizer", "adam"),  # dropout 0 is the default
+    "gpt": ("--model", "gpt", "--n-layer", "2", "--d-model", "32", "--n-head", "4",
+            "--seq-len", "32", "--optimizer", "adamw"),
+}
+DISTRIBUTED = {"cnn": ["torch_ddp", "torch_fsdp1", "torch_fsdp2"],
+               "gpt": ["torch_ddp", "torch_fsdp2"]}
+CASES = [(m, s) for m, strategies in DISTRIBUTED.items() for s in strategies]
+
+# Bad input: job key -> (nproc, arguments, what the error must say).
+BAD = {
+    "bad_batch": (4, ("--strategy", "torch_ddp", "--global-batch", 30, "--steps", 1),
+                  ["--global-batch 30 is not divisible by 4 ranks"]),
+    "bad_single": (2, ("--strategy", "single", "--steps", 1),
+                   ["--strategy single runs on one process, got world size 2"]),
+    "bad_strategy": (1, ("--strategy", "fsdp9", "--steps", 1),
+                     ["unknown --strategy 'fsdp9'; choose from",
+                      "'single', 'torch_ddp', 'torch_fsdp1', 'torch_fsdp2'"]),
+}
+
+
+def job(key) -> tuple[int, tuple]:
+    """``(nproc, arguments)`` of a job: ``(model, strategy)`` or a key of ``BAD``."""
+    if key in BAD:
+        return BAD[key][:2]
+    model, strategy = key
+    args = ("--strategy", strategy, *MODEL_ARGS[model], "--steps", STEPS,
+            "--global-batch", GLOBAL_BATCH, "--save-params")
+    if strategy == "single":  # one process fed the global batches of WORLD ranks
+        return 1, (*args, "--data-shards", WORLD)
+    if strategy == "single_full":  # the same, with one backward over the whole batch
+        return 1, (*args[:1], "single", *args[2:], "--data-shards", WORLD, "--full-batch")
+    return WORLD, args
+
+
+def jobs_of(item: pytest.Item) -> list:
+    """The jobs a collected test reads, from its parameters."""
+    p = item.callspec.params if hasattr(item, "callspec") else {}
+    if "bad" in p:
+        return [p["bad"]]
+    if "strategy" in p:
+        return [(p["model"], "single"), (p["model"], p["strategy"])]
+    if "model" in p:
+        return [(p["model"], s) for s in ["single", *DISTRIBUTED[p["model"]]]]
+    if item.name == "test_full_batch_reference_agrees_to_rounding":
+        return [("cnn", "single_full"), ("cnn", "single")]
+    return []
+
+
+@pytest.fixture(scope="module")
+def launched(request) -> dict[object, Future]:
+    """job key -> Future of its ``RunResult`` (or ``WorkerError``), for the selected tests."""
+    keys = [k for item in request.session.items if item.module is request.module
+            for k in jobs_of(item)]
+    keys = sorted(set(keys), key=keys.index)  # first needed, first started
+    with ThreadPoolExecutor(PARALLEL) as pool:
+        futures = {}
+        for key in keys:
+            nproc, args = job(key)
+            name = "train_" + (key if isinstance(key, str) else "_".join(key))
+            futures[key] = pool.submit(torchrun, "minifsdp.train", *args, nproc=nproc,
+                                       chapter="tests", name=name, timeout=300, env=GLOO)
+        yield futures
+        pool.shutdown(cancel_futures=True)  # a run cut short (-x, Ctrl-C) starts no more
+
+
+@pytest.fixture(scope="module")
+def train_run(launched):
+    """``train_run(model, strategy)`` -> ``(RunResult, {name: final full parameter})``."""
+
+    @functools.cache
+    def get(model: str, strategy: str) -> tuple[RunResult, dict[str, torch.Tensor]]:
+        run = launched[model, strategy].result()
+        return run, torch.load(run.out_dir / "params.pt", weights_only=True)
+
+    return get
+
+
+@pytest.mark.parametrize("model,strategy", CASES)
+def test_every_rank_logs_the_global_loss_of_every_step(train_run, model, strategy):
+    run, _ = train_run(model, strategy)
+    assert [r["rank"] for r in run.ranks] == list(range(WORLD))
+    for r in run.ranks:
+        assert (r["strategy"], r["model"], r["world_size"]) == (strategy, model, WORLD)
+        assert r["backend"] == "gloo" and r["device"] == "cpu"
+        assert len(r["losses"]) == len(r["step_times"]) == STEPS
+        assert r["losses"] == run.ranks[0]["losses"]  # global_mean: the same on every rank
+
+
+@pytest.mark.parametrize("model,strategy", CASES)
+def test_losses_match_one_process_bit_for_bit(train_run, model, strategy):
+    """Note [bitwise parity] in minifsdp/train.py: one process accumulating its 2 shards'
+    gradients (each loss / 2) does exactly the float operations of 2 ranks."""
+    single, _ = train_run(model, "single")
+    run, _ = train_run(model, strategy)
+    ref, got = single.ranks[0]["losses"], run.ranks[0]["losses"]
+    assert len(ref) == len(got) == STEPS
+    assert got == ref
+
+
+@pytest.mark.parametrize("model,strategy", CASES)
+def test_final_parameters_match_one_process_bit_for_bit(train_run, model, strategy):
+    _, ref = train_run(model, "single")
+    _, got = train_run(model, strategy)
+    assert list(got) == list(ref)
+    for k in ref:
+        assert torch.equal(got[k], ref[k]), (
+            f"{strategy} vs single: {k} differs by {float((got[k] - ref[k]).abs().max())}")
+
+
+def test_full_batch_reference_agrees_to_rounding(train_run):
+    """The textbook reference -- one backward over the 32-sample mean -- is the same
+    mathematics in another summation order: equal to rounding, not bit for bit. Measured
+    (CNN, Adam, 4 steps): losses equal, parameters within 2.9e-6 (Adam divides by the
+    gradient's own magnitude, so ~5e-9 gradients carry their rounding into the weights)."""
+    full, ref_full = train_run("cnn", "single_full")
+    single, ref = train_run("cnn", "single")
+    assert full.ranks[0]["config"]["full_batch"] and not single.ranks[0]["config"]["full_batch"]
+    diffs = [abs(a - b) for a, b in zip(full.ranks[0]["losses"], single.ranks[0]["losses"])]
+    assert max(diffs) <= 1e-6
+    torch.testing.assert_close(ref_full, ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("model,strategy", CASES)
+def test_saved_parameters_have_the_unwrapped_names(train_run, model, strategy):
+    _, ref = train_run(model, "single")
+    _, got = train_run(model, strategy)
+    # get_model_state_dict strips the wrappers' prefixes (module., _fsdp_wrapped_module.)
+    # and returns plain full tensors, not DTensor shards
+    assert list(got) == list(ref)
+    for k in ref:
+        assert type(got[k]) is torch.Tensor, (k, type(got[k]))
+        assert (got[k].shape, got[k].dtype) == (ref[k].shape, ref[k].dtype), k
+
+
+@pytest.mark.parametrize("model", sorted(DISTRIBUTED))
+def test_distributed_strategies_agree_bit_for_bit(train_run, model):
+    """At 2 ranks every strategy averages the same two local gradients (a sum of two numbers
+    does not depend on the order, and halving is exact) and Adam is elementwise, so DDP,
+    FSDP1 and FSDP2 must end with *identical* parameters and losses."""
+    ref_run, ref = train_run(model, "torch_ddp")
+    for strategy in DISTRIBUTED[model][1:]:
+        run, got = train_run(model, strategy)
+        assert run.ranks[0]["losses"] == ref_run.ranks[0]["losses"], strategy
+        assert list(got) == list(ref), strategy
+        for k in ref:
+            assert torch.equal(got[k], ref[k]), (
+                f"{strategy} vs torch_ddp: {k} differs by {float((got[k] - ref[k]).abs().max())}")
+
+
+@pytest.mark.parametrize("model", sorted(DISTRIBUTED))
+def test_training_moved_every_parameter(train_run, model):
+    """Parity is vacuous if nothing trained: every tensor left its initial value."""
+    from minifsdp.dist import seed_everything
+    from minifsdp.train import make_model, parse_args
+
+    single, final = train_run(model, "single")
+    assert single.ranks[0]["config"]["data_shards"] == WORLD
+    with torch.random.fork_rng():
+        seed_everything(single.ranks[0]["config"]["seed"])  # as main() does before the model
+        init = make_model(parse_args(list(MODEL_ARGS[model]))).state_dict()
+    assert list(init) == list(final)
+    moved = {k: float((final[k] - init[k]).abs().max()) for k in init}
+    assert min(moved.values()) > 1e-4, moved  # Adam moves a weight by up to lr = 1e-3 a step
+
+
+@pytest.mark.parametrize("bad", sorted(BAD))
+def test_bad_input_is_a_clear_error(launched, bad):
+    with pytest.raises(WorkerError) as err:
+        launched[bad].result()
+    assert err.value.rank is not None  # the launcher found the rank that failed
+    for words in BAD[bad][2]:
+        assert words in str(err.value)
