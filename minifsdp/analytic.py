@@ -83,7 +83,8 @@ def model_state_bytes(
         1.875
     """
     stage = "zero3" if stage == "fsdp" else stage
-    assert stage in STAGES, f"unknown stage {stage!r}; expected one of {STAGES} or 'fsdp'"
+    if stage not in STAGES:
+        raise ValueError(f"unknown stage {stage!r}; expected one of {STAGES} or 'fsdp'")
     shard_p, shard_g, shard_os = {
         "ddp": (1, 1, 1),
         "zero1": (1, 1, n),

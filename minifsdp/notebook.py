@@ -26,11 +26,10 @@ def show_source(obj: Any, *, start: str | None = None, end: str | None = None) -
     obj = inspect.unwrap(obj)  # decorated functions (e.g. @torch.no_grad) show their own code
     lines, first = inspect.getsourcelines(obj)
     if start is not None:
-        i = next(k for k, ln in enumerate(lines) if start in ln)
+        i = _find(lines, start, obj)
         lines, first = lines[i:], first + i
     if end is not None:
-        j = next(k for k, ln in enumerate(lines) if end in ln)
-        lines = lines[: j + 1]
+        lines = lines[: _find(lines, end, obj) + 1]
     path = Path(inspect.getsourcefile(obj)).resolve()
     rel = path.relative_to(path.parents[1]) if path.parent.name == "minifsdp" else path.name
     if path.parent.parent.name == "minifsdp":  # a sub-package, e.g. minifsdp/demos
@@ -39,23 +38,64 @@ def show_source(obj: Any, *, start: str | None = None, end: str | None = None) -
     print("".join(lines).rstrip())
 
 
+def _find(lines: list[str], marker: str, obj: Any) -> int:
+    for k, line in enumerate(lines):
+        if marker in line:
+            return k
+    raise ValueError(f"{marker!r} does not occur in the source of {obj!r}")
+
+
 def check(name: str, cases: Iterable[tuple[tuple, Any]], fn: Callable,
           close: Callable[[Any, Any], bool] | None = None) -> bool:
     """Run ``fn(*args)`` on each ``(args, expected)`` case; print one verdict line.
 
     Returns True when every case matches (``close`` decides equality, default ``==``).
-    Used by the exercises' one-line checkers, e.g. ``check_ring_bytes(my_fn)``.
+    Tensors in the answer are compared as lists, so returning ``tensor([4, 6])`` for
+    ``[4, 6]`` is fine. Used by the exercises' one-line checkers, e.g.
+    ``check_ring_bytes(my_fn)``.
+
+    Example:
+        >>> check("double", [((2,), 4), ((5,), 10)], lambda x: 2 * x)
+        ✓ double: all 2 cases pass
+        True
     """
     close = close or (lambda a, b: a == b)
     cases = list(cases)
+    label = getattr(fn, "__name__", type(fn).__name__)
     for args, expected in cases:
         try:
-            got = fn(*args)
+            got = _plain(fn(*args))
         except NotImplementedError:
             print(f"✗ {name}: not implemented yet")
             return False
-        if not close(got, expected):
-            print(f"✗ {name}: {fn.__name__}{args} returned {got!r}, expected {expected!r}")
+        try:
+            ok = bool(close(got, expected))
+        except Exception:  # e.g. None where a number was expected
+            ok = False
+        if not ok:
+            shown = ", ".join(_short(a) for a in args)
+            print(f"✗ {name}: {label}({shown}) returned {got!r}, expected {expected!r}")
             return False
     print(f"✓ {name}: all {len(cases)} cases pass")
     return True
+
+
+def _plain(x: Any) -> Any:
+    """Tensors (also inside lists/tuples) -> Python lists/numbers, for comparison."""
+    import torch
+
+    if isinstance(x, torch.Tensor):
+        return x.tolist()
+    if isinstance(x, (list, tuple)):
+        return type(x)(_plain(v) for v in x)
+    return x
+
+
+def _short(arg: Any) -> str:
+    """A one-line label for an argument: models by class and size, the rest by repr."""
+    import torch
+
+    if isinstance(arg, torch.nn.Module):
+        return f"<{type(arg).__name__}: {sum(p.numel() for p in arg.parameters()):,} params>"
+    text = repr(arg)
+    return text if len(text) <= 80 else text[:77] + "..."

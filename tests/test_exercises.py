@@ -1,0 +1,265 @@
+"""Every exercise checker accepts a correct solution, rejects plausible wrong ones, and reports
+a stub that raises ``NotImplementedError`` as not done yet instead of crashing.
+
+The correct solutions below are written from the formulas in the Notes (and, for the Adam
+state, by measuring a real optimizer), never by calling the checkers' own references.
+"""
+
+import inspect
+import math
+import re
+
+import pytest
+import torch
+
+from minifsdp import exercises
+
+# ---- chapter 00 ----------------------------------------------------------------------------
+
+
+def ring_bytes(numel, element_size, world_size):
+    """Note [ring bytes]: 2(N-1) steps, each sending one chunk of ceil(numel/N) elements."""
+    return 2 * (world_size - 1) * math.ceil(numel / world_size) * element_size
+
+
+def ring_bytes_unpadded(numel, element_size, world_size):
+    return 2 * (world_size - 1) / world_size * numel * element_size  # 2(N-1)/N * S, no padding
+
+
+def ring_bytes_2n_steps(numel, element_size, world_size):
+    return 2 * world_size * math.ceil(numel / world_size) * element_size  # N steps per phase
+
+
+def reduce_scatter(inputs):
+    """Rank r gets chunk r of the elementwise sum of every rank's list."""
+    n = len(inputs)
+    k = len(inputs[0]) // n
+    total = [sum(column) for column in zip(*inputs)]
+    return [total[r * k:(r + 1) * k] for r in range(n)]
+
+
+def reduce_scatter_full_sum(inputs):
+    total = [sum(column) for column in zip(*inputs)]
+    return [total for _ in inputs]  # an all_reduce: nothing is scattered
+
+
+def reduce_scatter_own_chunk(inputs):
+    n = len(inputs)
+    k = len(inputs[0]) // n
+    return [x[r * k:(r + 1) * k] for r, x in enumerate(inputs)]  # scattered, never reduced
+
+
+def chunk_sent(rank, step, world_size, phase):
+    """Note [ring all-reduce]: chunk c starts at rank c+1 and moves one rank right per step, so
+    at reduce-scatter step s rank r forwards chunk r-1-s; in the all-gather rank r first sends
+    the chunk it owns (r), then each step the one it just received (r-s)."""
+    if phase == "reduce_scatter":
+        return (rank - 1 - step) % world_size
+    return (rank - step) % world_size
+
+
+def chunk_sent_off_by_one(rank, step, world_size, phase):
+    return (rank - step) % world_size  # the all-gather schedule in both phases
+
+
+def chunk_sent_leftwards(rank, step, world_size, phase):
+    first = 1 if phase == "reduce_scatter" else 0
+    return (rank + first + step) % world_size  # the ring run the wrong way round
+
+
+def test_chunk_sent_reproduces_the_table_in_the_ring_note():
+    # minifsdp/ring.py, Note [ring all-reduce], N = 3: row = step, column = rank
+    table = {"reduce_scatter": [[2, 0, 1], [1, 2, 0]], "all_gather": [[0, 1, 2], [2, 0, 1]]}
+    for phase, rows in table.items():
+        assert [[chunk_sent(r, s, 3, phase) for r in range(3)] for s in range(2)] == rows
+
+
+def collectives_run(n, corrupt=False):
+    """A ``--demo collectives`` run's ``ranks`` (only what the checker reads): rank r holds
+    [10r, 10r + 1, ..., 10r + 2N - 1]; reduce_scatter gives rank r elements 2r and 2r + 1 of
+    the sum, sum_r (j + 10r) = N j + 5 N (N - 1)."""
+    ranks = []
+    for r in range(n):
+        out = [n * j + 5 * n * (n - 1) for j in (2 * r, 2 * r + 1)]
+        if corrupt and r == 1:
+            out = out[::-1]
+        ranks.append({"collectives": {"reduce_scatter": {
+            "input": [10 * r + j for j in range(2 * n)], "output": out}}})
+    return ranks
+
+
+# ---- chapter 01 ----------------------------------------------------------------------------
+
+
+def model_states(psi, n, stage):
+    """ZeRO paper, section 3.1: fp16 weights (2 psi) and gradients (2 psi), K = 12 psi of fp32
+    master weights, momentum and variance; stage 1 shards K, stage 2 also the gradients,
+    stage 3 also the weights."""
+    p, g, k = 2 * psi, 2 * psi, 12 * psi
+    return {"ddp": p + g + k, "zero1": p + g + k / n, "zero2": p + (g + k) / n,
+            "zero3": (p + g + k) / n}[stage]
+
+
+def model_states_zero1_shards_grads(psi, n, stage):
+    return model_states(psi, n, "zero2" if stage == "zero1" else stage)
+
+
+def model_states_no_master_copy(psi, n, stage):
+    p, g, k = 2 * psi, 2 * psi, 8 * psi  # K = 8: momentum and variance only
+    return {"ddp": p + g + k, "zero1": p + g + k / n, "zero2": p + (g + k) / n,
+            "zero3": (p + g + k) / n}[stage]
+
+
+def test_model_states_reproduces_the_zero_paper():
+    # Figure 1 of the ZeRO paper: Psi = 7.5B, N = 64 -> 120, 31.4, 16.6, 1.9 GB per device
+    gb = {s: model_states(7.5e9, 64, s) / 1e9 for s in ["ddp", "zero1", "zero2", "zero3"]}
+    assert {s: round(v, 1) for s, v in gb.items()} == {
+        "ddp": 120.0, "zero1": 31.4, "zero2": 16.6, "zero3": 1.9}
+
+
+def adam_state_bytes(model):
+    """Measured: take one real Adam step and add up every tensor in its state."""
+    opt = torch.optim.Adam(model.parameters())
+    sum(p.sum() for p in model.parameters()).backward()
+    opt.step()
+    return sum(t.numel() * t.element_size() for state in opt.state.values()
+               for t in state.values() if isinstance(t, torch.Tensor))
+
+
+def adam_state_bytes_no_step(model):
+    return sum(8 * p.numel() for p in model.parameters())  # exp_avg + exp_avg_sq only
+
+
+def adam_state_bytes_k12(model):
+    return sum(12 * p.numel() for p in model.parameters())  # mixed precision's K, not fp32's
+
+
+def _peak(batch):
+    from minifsdp.analytic import predict_step_peak
+
+    return predict_step_peak("cnn", batch, "adam", dropout=0.0)
+
+
+def largest_batch(budget_bytes):
+    """Every moment of the step costs a + s * batch bytes: solve each for the largest batch,
+    take the smallest, then make sure it fits and one more sample does not."""
+    m0, m1 = _peak(0)["moments"], _peak(1)["moments"]
+    batch = min((budget_bytes - m0[k]) // (m1[k] - m0[k]) for k in m0 if m1[k] > m0[k])
+    while _peak(batch)["peak"] > budget_bytes:
+        batch -= 1
+    while _peak(batch + 1)["peak"] <= budget_bytes:
+        batch += 1
+    return batch
+
+
+def largest_batch_end_of_forward(budget_bytes):
+    """The textbook guess: the peak is at the end of the forward pass."""
+    batch = 0
+    while _peak(batch + 1)["moments"]["end of forward"] <= budget_bytes:
+        batch += 1
+    return batch
+
+
+def largest_batch_plus_one(budget_bytes):
+    return largest_batch(budget_bytes) + 1  # the first batch that does *not* fit
+
+
+# ---- the checkers --------------------------------------------------------------------------
+
+# checker -> (the name it prints, a correct solution, wrong solutions)
+SOLUTIONS = {
+    "check_ring_bytes": ("ring bytes", ring_bytes, [ring_bytes_unpadded, ring_bytes_2n_steps]),
+    "check_reduce_scatter": ("reduce_scatter", reduce_scatter,
+                             [reduce_scatter_full_sum, reduce_scatter_own_chunk]),
+    "check_ring_schedule": ("ring schedule", chunk_sent,
+                            [chunk_sent_off_by_one, chunk_sent_leftwards]),
+    "check_model_states": ("model states", model_states,
+                           [model_states_zero1_shards_grads, model_states_no_master_copy]),
+    "check_adam_state_bytes": ("Adam state bytes", adam_state_bytes,
+                               [adam_state_bytes_no_step, adam_state_bytes_k12]),
+    "check_largest_batch": ("largest batch", largest_batch,
+                            [largest_batch_end_of_forward, largest_batch_plus_one]),
+}
+WRONG = [(c, w) for c, (_, _, wrongs) in SOLUTIONS.items() for w in wrongs]
+WRONG_IDS = [w.__name__ for _, w in WRONG]
+
+def checkers() -> list[str]:
+    return sorted(n for n, f in inspect.getmembers(exercises, inspect.isfunction)
+                  if n.startswith("check_") and f.__module__ == exercises.__name__)
+
+
+def one_line(capsys) -> str:
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 1, lines
+    return lines[0]
+
+
+def test_every_checker_has_solutions_here():
+    assert sorted(SOLUTIONS) == checkers(), "add the new checker's solutions to SOLUTIONS"
+
+
+@pytest.mark.parametrize("checker", sorted(SOLUTIONS))
+def test_accepts_a_correct_solution(checker, capsys):
+    label, right, _ = SOLUTIONS[checker]
+    assert getattr(exercises, checker)(right) is True
+    assert re.fullmatch(rf"✓ {re.escape(label)}: all \d+ cases pass", one_line(capsys))
+
+
+@pytest.mark.parametrize("checker,wrong", WRONG, ids=WRONG_IDS)
+def test_rejects_a_wrong_solution(checker, wrong, capsys):
+    label = SOLUTIONS[checker][0]
+    assert getattr(exercises, checker)(wrong) is False
+    out = capsys.readouterr().out  # names the failing call, what it returned, what was expected
+    assert out.startswith(f"✗ {label}: {wrong.__name__}("), out
+    assert re.search(r"\) returned .+, expected .+\n$", out), out
+    assert "✓" not in out
+
+
+@pytest.mark.parametrize("checker,wrong", [pytest.param(c, w, id=w.__name__) for c, w in WRONG])
+def test_a_wrong_solution_gets_a_one_line_verdict(checker, wrong, capsys):
+    getattr(exercises, checker)(wrong)
+    assert one_line(capsys).startswith("✗ ")
+
+
+@pytest.mark.parametrize("checker", sorted(SOLUTIONS))
+def test_a_stub_is_not_implemented_yet(checker, capsys):
+    def stub(*args):
+        raise NotImplementedError("your code here")
+
+    label = SOLUTIONS[checker][0]
+    assert getattr(exercises, checker)(stub) is False
+    assert one_line(capsys) == f"✗ {label}: not implemented yet"
+
+
+def test_first_failing_case_is_the_one_shown(capsys):
+    # 1000 elements split evenly over 4 and 2 ranks, so the unpadded count is right until
+    # 10,001 elements over 4 ranks: 2*3*2501*4 = 60024 bytes sent, not 60006
+    assert exercises.check_ring_bytes(ring_bytes_unpadded) is False
+    assert one_line(capsys) == ("✗ ring bytes: ring_bytes_unpadded(10001, 4, 4) returned "
+                                "60006.0, expected 60024")
+
+
+def test_reduce_scatter_is_also_checked_against_a_measured_run(capsys):
+    assert exercises.check_reduce_scatter(reduce_scatter, measured=collectives_run(4)) is True
+    assert re.fullmatch(r"✓ reduce_scatter: all \d+ cases pass", one_line(capsys))
+    # a run whose outputs disagree with the sum (rank 1's two elements swapped) is flagged
+    assert exercises.check_reduce_scatter(reduce_scatter,
+                                          measured=collectives_run(4, corrupt=True)) is False
+    assert one_line(capsys).startswith("✗ reduce_scatter: reduce_scatter([[0, 1, 2")
+
+
+def test_checker_survives_odd_answers(capsys):
+    """A partial, a None and a tensor answer get a verdict, never a crash."""
+    import functools
+
+    import torch
+
+    from minifsdp.ring import ring_wire_bytes
+
+    assert exercises.check_ring_bytes(functools.partial(ring_wire_bytes))
+    assert not exercises.check_model_states(lambda psi, n, stage: None)
+    assert exercises.check_reduce_scatter(
+        lambda ins: list(torch.tensor(ins).sum(0).chunk(len(ins))))
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("✓") and out[1].startswith("✗ model states: <lambda>(")
+    assert out[2].startswith("✓")
