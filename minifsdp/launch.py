@@ -100,7 +100,7 @@ def torchrun(
         timeout: seconds before the job is considered hung (``WorkerTimeout``).
         pg_timeout: seconds a collective may wait for a peer (``MINIFSDP_PG_TIMEOUT``).
         progress: show a progress bar from the worker's ``report_progress`` calls
-            (default: only when stderr is a terminal).
+            (default: in a terminal or a notebook).
         env: extra environment variables for the workers.
 
     Example:
@@ -128,8 +128,9 @@ def torchrun(
     if pg_timeout is not None:
         child_env["MINIFSDP_PG_TIMEOUT"] = str(pg_timeout)
 
-    show = sys.stderr.isatty() if progress is None else progress
-    bar = _ProgressBar(name, log_dir) if show else None
+    if progress is None:  # a terminal or a notebook: someone is watching
+        progress = sys.stderr.isatty() or "ipykernel" in sys.modules
+    bar = _ProgressBar(name, log_dir) if progress else None
     t0 = time.perf_counter()
     # start_new_session: the job gets its own process group, so a kill reaches every worker.
     proc = subprocess.Popen(cmd, env=child_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -242,14 +243,15 @@ def _tail(text: str, n: int) -> str:
 
 
 class _ProgressBar:
-    """A tqdm bar fed by the ``report_progress`` lines rank 0 writes to its stdout log."""
+    """A tqdm bar fed by the ``report_progress`` lines rank 0 writes to its stdout log.
+
+    Created at the first progress line (jobs that report none show nothing). In a notebook
+    it is one output updated in place (see ``_NotebookLine``), so the saved notebook holds its
+    last state, e.g. ``torch_ddp: 100%|████| 50/50, loss=0.3145``, which nbval compares.
+    """
 
     def __init__(self, name: str, log_dir: Path):
-        from tqdm import tqdm
-
-        self.log_dir, self.pos, self.file = log_dir, 0, None
-        self.bar = tqdm(desc=name, unit="step", file=sys.stderr, dynamic_ncols=True,
-                        bar_format="{desc}: {percentage:3.0f}%|{bar:20}| {n}/{total} {postfix}")
+        self.name, self.log_dir, self.pos, self.file, self.bar = name, log_dir, 0, None, None
 
     def update(self) -> None:
         if self.file is None:
@@ -265,6 +267,13 @@ class _ProgressBar:
         for line in complete.decode(errors="replace").splitlines():
             if line.startswith(PROGRESS_TAG):
                 info = json.loads(line[len(PROGRESS_TAG):])
+                if self.bar is None:
+                    from tqdm import tqdm
+
+                    out = _NotebookLine() if "ipykernel" in sys.modules else sys.stderr
+                    self.bar = tqdm(desc=self.name, total=info["total"], file=out,
+                                    bar_format="{desc}: {percentage:3.0f}%|{bar:20}| "
+                                    "{n}/{total}{postfix}")
                 self.bar.total = info.pop("total")
                 self.bar.n = info.pop("step")
                 self.bar.set_postfix({k: f"{v:.4g}" for k, v in info.items()}, refresh=False)
@@ -272,4 +281,30 @@ class _ProgressBar:
 
     def close(self) -> None:
         self.update()
-        self.bar.close()
+        if self.bar is not None:
+            self.bar.close()
+
+
+class _NotebookLine:
+    """A file for tqdm that shows each refresh as the *same* notebook output (a display with
+    an id, updated in place) instead of appending ``\r``-separated stream messages, which
+    notebook files store one by one and GitHub renders as hundreds of lines."""
+
+    encoding = "utf-8"
+
+    def __init__(self):
+        self._handle = None
+
+    def write(self, text: str) -> None:
+        from IPython.display import Pretty, display
+
+        text = text.strip("\r\n")
+        if not text:
+            return
+        if self._handle is None:  # the first state is a real bar line (nbval sees only it)
+            self._handle = display(Pretty(text), display_id=True)
+        else:
+            self._handle.update(Pretty(text))
+
+    def flush(self) -> None:
+        pass
