@@ -152,6 +152,6 @@ def plot_collectives(ranks: Sequence[Mapping], ops: Sequence[str] | None = None)
             for side in ("top", "right", "bottom"):
                 ax.spines[side].set_visible(False)
             ax.set_title(f"{op}: {key}", fontsize=10, loc="left")
-    fig.suptitle("Collectives on 4 processes: what each rank holds before and after")
+    fig.suptitle(f"Collectives on {n} processes: what each rank holds before and after")
     fig.tight_layout()
     return fig

@@ -71,8 +71,9 @@ def jobs_of(item: pytest.Item) -> list:
 @pytest.fixture(scope="module")
 def launched(request) -> dict[object, Future]:
     """job key -> Future of its ``RunResult`` (or ``WorkerError``), for the selected tests."""
-    keys = [k for item in request.session.items if item.module is request.module
-            for k in jobs_of(item)]
+    # (nbval's notebook cells, collected in the same session, have no .module)
+    keys = [k for item in request.session.items
+            if getattr(item, "module", None) is request.module for k in jobs_of(item)]
     keys = sorted(set(keys), key=keys.index)  # first needed, first started
     with ThreadPoolExecutor(PARALLEL) as pool:
         futures = {}
