@@ -42,12 +42,19 @@ from minifsdp.dist import DistInfo, dist_setup, finish, report_progress, seed_ev
 from minifsdp.memory import MemoryTracker
 from minifsdp.models import build_model, count_params
 
-# name -> function(model, info, args) returning the module to train (wrapped in place or not)
-STRATEGIES: dict[str, Callable[[nn.Module, DistInfo, argparse.Namespace], nn.Module]] = {}
+# name -> function(model, info, args) returning the module to train (wrapped in place or not),
+# or ``(module, optimizer)`` when the strategy owns the optimizer (ZeRO shards its state).
+Setup = nn.Module | tuple[nn.Module, torch.optim.Optimizer]
+STRATEGIES: dict[str, Callable[[nn.Module, DistInfo, argparse.Namespace], Setup]] = {}
 
 
 def strategy(name: str):
-    """Register a data-parallel strategy under ``name`` (decorator)."""
+    """Register a data-parallel strategy under ``name`` (decorator).
+
+    The function gets the unwrapped model (already on ``info.device``, same init on every
+    rank), ``info`` and the parsed ``args``; it returns the module to train, or ``(module,
+    optimizer)`` to build the optimizer itself (use ``make_optimizer(params, args)``).
+    """
 
     def register(fn):
         STRATEGIES[name] = fn
@@ -234,8 +241,11 @@ def main(argv: list[str] | None = None) -> None:
     seed_everything(args.seed)  # same init on every rank
     model = make_model(args).to(info.device)
     n_params = count_params(model)
-    model = STRATEGIES[args.strategy](model, info, args)
-    opt = make_optimizer(model.parameters(), args)
+    setup = STRATEGIES[args.strategy](model, info, args)
+    if isinstance(setup, tuple):
+        model, opt = setup
+    else:
+        model, opt = setup, make_optimizer(setup.parameters(), args)
     batches = make_batches(args, info)
 
     micro = (args.data_shards or 1) if args.strategy == "single" and not args.full_batch else 1
