@@ -155,3 +155,43 @@ def plot_collectives(ranks: Sequence[Mapping], ops: Sequence[str] | None = None)
     fig.suptitle(f"Collectives on {n} processes: what each rank holds before and after")
     fig.tight_layout()
     return fig
+
+
+PHASE_COLORS = {"forward": "#4C72B0", "backward": "#DD8452", "optimizer step": "#55A868",
+                "zero_grad": "#BBBBBB"}
+
+
+def plot_comm_timeline(records: Sequence[Mapping], step: int = -1, ax=None,
+                       title="Compute and communication in one step"):
+    """Two lanes for one rank's step: compute spans (forward, backward, optimizer step) and
+    each collective from issue to completion (async ones end at ``wait``), in milliseconds
+    from the start of the step's forward.
+
+    ``records`` is a rank's comm log (``RunResult.ranks[r]["comm"]``, from ``minifsdp.comm``);
+    ``step`` picks the step by its forward span (``-1``: the last).
+    """
+    ax = _ax(ax)
+    starts = [r["t_start"] for r in records if r["kind"] == "compute" and r["op"] == "forward"]
+    t0 = starts[step]
+    later = [t for t in starts if t > t0]
+    t1 = later[0] if later else float("inf")
+    inside = [r for r in records if t0 <= r["t_start"] < t1]
+    few = sum(r["kind"] != "compute" for r in inside) <= 16  # label collectives if readable
+    for r in inside:
+        ms = ((r["t_start"] - t0) * 1e3, (r["t_end"] - r["t_start"]) * 1e3)
+        if r["kind"] == "compute":
+            ax.broken_barh([ms], (1.1, 0.8), color=PHASE_COLORS.get(r["op"], "0.6"),
+                           label=r["op"])
+        else:
+            ax.broken_barh([ms], (0.1, 0.8), color=COLORS["comm"], alpha=0.6,
+                           edgecolor="black", linewidth=0.5)
+            if r.get("tag") and few:
+                ax.text(ms[0] + ms[1] / 2, 0.5, r["tag"], ha="center", va="center", fontsize=6,
+                        rotation=90)
+    ax.set_yticks([0.5, 1.5], ["communication", "compute"])
+    ax.set(title=title, xlabel="time since the step's forward began (ms)", ylim=(0, 2))
+    handles, labels = ax.get_legend_handles_labels()
+    seen = dict(zip(labels, handles))
+    ax.legend(seen.values(), seen.keys(), fontsize=7, loc="upper right", ncol=4)
+    ax.grid(axis="x", alpha=0.3)
+    return ax

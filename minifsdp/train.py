@@ -97,6 +97,36 @@ def _torch_fsdp2(model, info, args):
     return fully_shard(model, mesh=mesh)
 
 
+@strategy("ddp")
+def _ddp(model, info, args):
+    from minifsdp.ddp import NaiveDDP
+
+    return NaiveDDP(model)
+
+
+@strategy("bucketed_ddp")
+def _bucketed_ddp(model, info, args):
+    from minifsdp.ddp import BucketedDDP
+
+    return BucketedDDP(model, bucket_cap_mb=args.bucket_cap_mb)
+
+
+@strategy("zero1")
+def _zero1(model, info, args):
+    from minifsdp.zero import setup_zero
+
+    return setup_zero(model, lambda params: make_optimizer(params, args), stage=1,
+                      bucket_cap_mb=args.bucket_cap_mb)
+
+
+@strategy("zero2")
+def _zero2(model, info, args):
+    from minifsdp.zero import setup_zero
+
+    return setup_zero(model, lambda params: make_optimizer(params, args), stage=2,
+                      bucket_cap_mb=args.bucket_cap_mb)
+
+
 def shard_units(model: nn.Module) -> list[nn.Module]:
     """The sub-modules that FSDP wraps as units: transformer blocks, or the CNN's layers."""
     if hasattr(model, "blocks"):
@@ -113,6 +143,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--data-shards", type=int, default=None,
                    help="ranks the data is split for (default: world size); with --strategy "
                    "single, N reproduces the global batches of an N-rank run")
+    p.add_argument("--bucket-cap-mb", type=float, default=25.0,
+                   help="bucketed_ddp, zero1, zero2: gradient bucket size in MiB "
+                   "(torch DDP's default: 25)")
     p.add_argument("--full-batch", action="store_true",
                    help="with --strategy single: one backward over the whole global batch "
                    "instead of accumulating its --data-shards micro-batches "
@@ -195,7 +228,7 @@ def train_step(model, opt, x, y, tracker: MemoryTracker | None = None,
     With ``micro_batches = N`` the batch is split into N equal parts whose gradients
     accumulate, each loss scaled by 1/N (Note [bitwise parity]). Returns the batch's mean loss.
     """
-    phase = tracker.phase if tracker else (lambda name: contextlib.nullcontext())
+    phase = lambda name: _phase(name, tracker)
     losses = []
     for xs, ys in zip(x.chunk(micro_batches), y.chunk(micro_batches)):
         with phase("forward"):
@@ -210,6 +243,14 @@ def train_step(model, opt, x, y, tracker: MemoryTracker | None = None,
     # Summed then divided, in rank order: the same float operations as global_mean's
     # all-reduce over N ranks.
     return torch.stack(losses).sum() / micro_batches if micro_batches > 1 else losses[0]
+
+
+@contextlib.contextmanager
+def _phase(name: str, tracker: MemoryTracker | None):
+    """A named part of the step: a memory phase (if tracked) and a compute span in the comm
+    log, so timelines show collectives against forward / backward / optimizer step."""
+    with tracker.phase(name) if tracker else contextlib.nullcontext(), comm.span(name):
+        yield
 
 
 def global_mean(t: torch.Tensor, info: DistInfo) -> float:
@@ -291,6 +332,9 @@ def save_full_params(model: nn.Module, info: DistInfo) -> None:
 
     sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True,
                                                                cpu_offload=True))
+    # torch strips its own DDP's "module." prefix; our wrappers (NaiveDDP, BucketedDDP) need
+    # the same so that every strategy saves the model's own parameter names.
+    torch.nn.modules.utils.consume_prefix_in_state_dict_if_present(sd, "module.")
     if info.rank == 0:
         results_dir().mkdir(parents=True, exist_ok=True)
         torch.save({k: v.detach().cpu() for k, v in sd.items()}, results_dir() / "params.pt")
