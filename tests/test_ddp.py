@@ -27,7 +27,6 @@ tests/test_train.py): ~210 CPU-seconds, ~105 s on an idle 2-core machine.
 
 import functools
 import os
-from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -35,10 +34,11 @@ import torch
 from torch.nn.modules.utils import consume_prefix_in_state_dict_if_present
 
 from minifsdp.ddp import FINAL_SPAN
-from minifsdp.launch import RunResult, torchrun
+from minifsdp.launch import RunResult
 
 PARALLEL = 3  # torchrun jobs at once: 3 keeps 2 cores busy through start-up gaps
-GLOO = {"MINIFSDP_BACKEND": "gloo"}
+JOB_PREFIX = "ddp_"  # the launched fixture in conftest.py runs the jobs
+LAUNCH_OPTIONS = {"pg_timeout": 60}
 WORKER = str(Path(__file__).parent / "workers" / "ddp_worker.py")
 STEPS, GLOBAL_BATCH, CAP_MB = 3, 24, 0.05  # 24 splits over 1-4 ranks; 0.05 MiB: 3 buckets
 MODEL_ARGS = {
@@ -90,24 +90,6 @@ def jobs_of(item: pytest.Item) -> list:
     if item.name.startswith("test_comm_log"):
         return [("gpt", 2, "bucketed_ddp"), ("gpt", 2, "ddp")]
     return ["worker"] if "worker" in getattr(item, "fixturenames", ()) else []
-
-
-@pytest.fixture(scope="module")
-def launched(request) -> dict[object, Future]:
-    """job key -> Future of its ``RunResult``, for the selected tests (slowest first)."""
-    # (nbval's notebook cells, collected in the same session, have no .module)
-    keys = [k for item in request.session.items
-            if getattr(item, "module", None) is request.module for k in jobs_of(item)]
-    keys = sorted(set(keys), key=lambda k: -job(k)[1])  # big jobs first: less idle tail
-    with ThreadPoolExecutor(PARALLEL) as pool:
-        futures = {}
-        for key in keys:
-            target, nproc, args = job(key)
-            name = "ddp_" + (key if isinstance(key, str) else "_".join(map(str, key)))
-            futures[key] = pool.submit(torchrun, target, *args, nproc=nproc, chapter="tests",
-                                       name=name, timeout=300, pg_timeout=60, env=GLOO)
-        yield futures
-        pool.shutdown(cancel_futures=True)
 
 
 @pytest.fixture(scope="module")

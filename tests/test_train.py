@@ -3,21 +3,20 @@ process fed the same global batches (Note [same global batch]), and bad argument
 an error that says what is wrong.
 
 A launch costs 8-15 s on 2 cores, mostly importing torch and torchvision, during which a
-core is often idle. The module fixture ``launched`` therefore starts every job the selected
-tests need, ``PARALLEL`` at a time (10 jobs: ~60 s instead of ~120 s), and each test waits for
-the ones it reads. All jobs use gloo on the CPU, also on a machine with GPUs.
+core is often idle. The fixture ``launched`` (tests/conftest.py) therefore starts every job
+the selected tests need, ``PARALLEL`` at a time (10 jobs: ~60 s instead of ~120 s), and each
+test waits for the ones it reads. All jobs use gloo on the CPU, also on a machine with GPUs.
 """
 
 import functools
-from concurrent.futures import Future, ThreadPoolExecutor
 
 import pytest
 import torch
 
-from minifsdp.launch import RunResult, WorkerError, torchrun
+from minifsdp.launch import RunResult, WorkerError
 
 PARALLEL = 2  # torchrun jobs at once; 1 runs them one after another
-GLOO = {"MINIFSDP_BACKEND": "gloo"}
+JOB_PREFIX = "train_"  # the launched fixture in conftest.py runs the jobs
 STEPS, GLOBAL_BATCH, WORLD = 4, 32, 2
 MODEL_ARGS = {
     "cnn": ("--model", "cnn", "--optimizer", "adam"),  # dropout 0 is the default
@@ -40,18 +39,19 @@ BAD = {
 }
 
 
-def job(key) -> tuple[int, tuple]:
-    """``(nproc, arguments)`` of a job: ``(model, strategy)`` or a key of ``BAD``."""
+def job(key) -> tuple[str, int, tuple]:
+    """``(target, nproc, arguments)`` of a job: ``(model, strategy)`` or a key of ``BAD``."""
     if key in BAD:
-        return BAD[key][:2]
+        return ("minifsdp.train", *BAD[key][:2])
     model, strategy = key
     args = ("--strategy", strategy, *MODEL_ARGS[model], "--steps", STEPS,
             "--global-batch", GLOBAL_BATCH, "--save-params")
     if strategy == "single":  # one process fed the global batches of WORLD ranks
-        return 1, (*args, "--data-shards", WORLD)
+        return "minifsdp.train", 1, (*args, "--data-shards", WORLD)
     if strategy == "single_full":  # the same, with one backward over the whole batch
-        return 1, (*args[:1], "single", *args[2:], "--data-shards", WORLD, "--full-batch")
-    return WORLD, args
+        return ("minifsdp.train", 1,
+                (*args[:1], "single", *args[2:], "--data-shards", WORLD, "--full-batch"))
+    return "minifsdp.train", WORLD, args
 
 
 def jobs_of(item: pytest.Item) -> list:
@@ -66,24 +66,6 @@ def jobs_of(item: pytest.Item) -> list:
     if item.name == "test_full_batch_reference_agrees_to_rounding":
         return [("cnn", "single_full"), ("cnn", "single")]
     return []
-
-
-@pytest.fixture(scope="module")
-def launched(request) -> dict[object, Future]:
-    """job key -> Future of its ``RunResult`` (or ``WorkerError``), for the selected tests."""
-    # (nbval's notebook cells, collected in the same session, have no .module)
-    keys = [k for item in request.session.items
-            if getattr(item, "module", None) is request.module for k in jobs_of(item)]
-    keys = sorted(set(keys), key=keys.index)  # first needed, first started
-    with ThreadPoolExecutor(PARALLEL) as pool:
-        futures = {}
-        for key in keys:
-            nproc, args = job(key)
-            name = "train_" + (key if isinstance(key, str) else "_".join(key))
-            futures[key] = pool.submit(torchrun, "minifsdp.train", *args, nproc=nproc,
-                                       chapter="tests", name=name, timeout=300, env=GLOO)
-        yield futures
-        pool.shutdown(cancel_futures=True)  # a run cut short (-x, Ctrl-C) starts no more
 
 
 @pytest.fixture(scope="module")

@@ -14,18 +14,17 @@ the module fixture starts every job the selected tests need, ``PARALLEL`` at a t
 
 import functools
 import math
-from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 import torch
 
 from minifsdp import analytic
-from minifsdp.launch import RunResult, torchrun
+from minifsdp.launch import RunResult
 from minifsdp.zero import flatten_into_buckets, setup_zero
 
 PARALLEL = 2
-GLOO = {"MINIFSDP_BACKEND": "gloo"}
+JOB_PREFIX = "zero_"  # the launched fixture in conftest.py runs the jobs
 WORKER = str(Path(__file__).parent / "workers" / "zero_worker.py")
 MODEL_ARGS = {
     "cnn": ("--model", "cnn", "--optimizer", "adam"),
@@ -43,19 +42,19 @@ PADDED = {(3, "gpt"), (4, "cnn")}  # psi % N != 0: the cases with padding
 TRACKED = 2  # --track-memory: step 2 has Adam's state from the start (memory[1])
 
 
-def job(key) -> tuple[int, tuple]:
-    """``(nproc, arguments)`` of ``(n, model, strategy)``, or of the worker."""
+def job(key) -> tuple[str, int, tuple]:
+    """``(target, nproc, arguments)`` of ``(n, model, strategy)``, or of the worker."""
     if key == "worker":
-        return 2, ()
+        return WORKER, 2, ()
     n, model, strategy = key
     _, _, steps, batch = WORLDS[n]
     args = ("--strategy", strategy, *MODEL_ARGS[model], "--steps", steps,
             "--global-batch", batch, "--save-params")
     if strategy == "single":
-        return 1, (*args, "--data-shards", n)
+        return "minifsdp.train", 1, (*args, "--data-shards", n)
     if strategy.startswith("zero"):
         args += ("--track-memory", TRACKED)
-    return n, args
+    return "minifsdp.train", n, args
 
 
 def jobs_of(item: pytest.Item) -> list:
@@ -66,26 +65,6 @@ def jobs_of(item: pytest.Item) -> list:
         refs = ["single", "torch_ddp"] if "parity" in item.name else []
         return [(p["n"], p["model"], s) for s in [*refs, p["strategy"]]]
     return []
-
-
-@pytest.fixture(scope="module")
-def launched(request) -> dict[object, Future]:
-    """job key -> Future of its ``RunResult``, for the selected tests."""
-    # (nbval's notebook cells, collected in the same session, have no .module)
-    keys = [k for item in request.session.items
-            if getattr(item, "module", None) is request.module for k in jobs_of(item)]
-    keys = sorted(set(keys), key=keys.index)
-    with ThreadPoolExecutor(PARALLEL) as pool:
-        futures = {}
-        for key in keys:
-            nproc, args = job(key)
-            target = WORKER if key == "worker" else "minifsdp.train"
-            name = "zero_" + (key if isinstance(key, str) else "_".join(map(str, key)))
-            futures[key] = pool.submit(torchrun, target, *args, nproc=nproc, chapter="tests",
-                                       name=name, timeout=300, env=GLOO,
-                                       progress=False)
-        yield futures
-        pool.shutdown(cancel_futures=True)
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,41 @@
+"""Shared fixture for the test modules that launch real torchrun jobs.
+
+A launch costs 6-15 s on 2 cores, mostly start-up during which a core idles. A module that
+uses ``launched`` declares its jobs, and the fixture starts every job the *selected* tests
+need, ``PARALLEL`` at a time, before the first test runs; each test then waits only for the
+jobs it reads. The module declares:
+
+    job(key) -> (target, nproc, args)   what to launch for a job key
+    jobs_of(item) -> [key, ...]         the job keys a collected test reads
+    PARALLEL                            jobs at once
+    JOB_PREFIX                          run names: runs/tests/<prefix><key>
+    LAUNCH_OPTIONS (optional)           extra keyword arguments for ``torchrun``
+"""
+
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import pytest
+
+from minifsdp.launch import torchrun
+
+GLOO = {"MINIFSDP_BACKEND": "gloo"}  # CPU collectives, also on a machine with GPUs
+
+
+@pytest.fixture(scope="module")
+def launched(request) -> dict[object, Future]:
+    """job key -> Future of its ``RunResult`` (or the ``WorkerError`` it raised)."""
+    mod = request.module
+    # (nbval's notebook cells, collected in the same session, have no .module)
+    keys = [k for item in request.session.items
+            if getattr(item, "module", None) is mod for k in mod.jobs_of(item)]
+    keys = sorted(set(keys), key=lambda k: -mod.job(k)[1])  # big jobs first: less idle tail
+    options = {"timeout": 300, "env": GLOO, **getattr(mod, "LAUNCH_OPTIONS", {})}
+    with ThreadPoolExecutor(mod.PARALLEL) as pool:
+        futures = {}
+        for key in keys:
+            target, nproc, args = mod.job(key)
+            name = mod.JOB_PREFIX + (key if isinstance(key, str) else "_".join(map(str, key)))
+            futures[key] = pool.submit(torchrun, target, *args, nproc=nproc, chapter="tests",
+                                       name=name, **options)
+        yield futures
+        pool.shutdown(cancel_futures=True)  # a run cut short (-x, Ctrl-C) starts no more
