@@ -138,14 +138,15 @@ def torchrun(
     try:
         launcher_out = _wait(proc, timeout, bar)
     except subprocess.TimeoutExpired:
-        _dump_stacks_and_kill(proc)
+        _dump_stacks_and_kill(proc, log_dir)
         logs = _read_logs(log_dir, "stderr")
-        stacks = "\n".join(f"----- rank {r} -----\n{_tail(t, 40)}" for r, t in sorted(logs.items()))
+        stacks = "\n".join(f"----- rank {r} -----\n{_tail(t, 40) or _SILENT}"
+                           for r, t in sorted(logs.items()))
         raise WorkerTimeout(
             f"{name}: torchrun job did not finish within {timeout:.0f} s; every rank was "
             f"stopped. Where each rank was:\n{stacks}", None, logs) from None
     except BaseException:  # e.g. KeyboardInterrupt in a notebook: leave no worker behind
-        _dump_stacks_and_kill(proc)
+        _dump_stacks_and_kill(proc, log_dir)
         raise
     finally:
         if bar:
@@ -177,16 +178,30 @@ def _wait(proc: subprocess.Popen, timeout: float, bar: _ProgressBar | None) -> s
                 raise
 
 
-def _dump_stacks_and_kill(proc: subprocess.Popen) -> None:
+_SILENT = ("(this rank printed nothing: it had not reached minifsdp.dist.dist_setup, "
+           "e.g. it was still importing torch)")
+
+
+def _dump_stacks_and_kill(proc: subprocess.Popen, log_dir: Path, grace: float = 5.0) -> None:
     """SIGUSR1 makes each worker print its stack (see dist._install_stack_dumps); then kill.
 
     torchrun starts every worker in a session of its own, so killing torchrun's process group
-    would orphan them: walk the process tree instead.
+    would orphan them: walk the process tree instead. The dumps are written asynchronously, and
+    on a loaded machine a fixed short sleep lost them, so we wait (up to ``grace`` seconds) until
+    every worker's stderr has grown by a stack trace.
     """
     workers = _descendants(proc.pid)
+    before = _read_logs(log_dir, "stderr")
     for pid in workers:
         _signal(pid, signal.SIGUSR1)
-    time.sleep(1.0)
+    deadline = time.monotonic() + grace
+    while time.monotonic() < deadline:
+        time.sleep(0.2)
+        after = _read_logs(log_dir, "stderr")
+        dumped = [r for r, t in after.items() if len(t) > len(before.get(r, "")) and "File " in t]
+        if len(dumped) >= len(after) or len(dumped) >= len(workers):
+            time.sleep(0.2)  # let the last frames land
+            break
     for pid in [proc.pid, *workers]:
         _signal(pid, signal.SIGKILL)
     proc.communicate()
