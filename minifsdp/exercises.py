@@ -97,3 +97,144 @@ def check_largest_batch(fn) -> bool:
     """``fn(budget_bytes)`` -> the largest MnistCNN batch whose step peak fits the budget."""
     cases = [((b,), largest_cnn_batch(b)) for b in (40 * 2**20, 64 * 2**20, 256 * 2**20, 2**30)]
     return check("largest batch", cases, fn)
+
+
+# ---- chapter 02 -----------------------------------------------------------------------------
+
+
+def _bucket_cases():
+    """Parameter lists (in ``model.parameters()`` order) and caps for the bucket exercises."""
+    from minifsdp.models import MnistCNN
+
+    e = torch.empty
+    return [
+        ([e(100), e(300), e(50)], 1000),                  # the docstring's example
+        ([e(100), e(300), e(50)], 4000),                  # everything fits in one bucket
+        ([e(10)] * 7, 80),                                # closes on *reaching* the cap
+        ([e(1000), e(1), e(1), e(1000)], 100),            # a big tensor overshoots the cap
+        ([e(8), e(8, dtype=torch.float64), e(8)], 10**6),  # a dtype change closes a bucket
+        (list(MnistCNN().parameters()), 25 * 2**20),      # torch's default cap: one bucket
+        (list(MnistCNN().parameters()), 2**20),
+    ]
+
+
+def check_assign_buckets(fn) -> bool:
+    """``fn(params, cap_bytes)`` -> lists of parameter indices, one list per bucket, in the
+    order backward fills them (``minifsdp.ddp.assign_buckets``, Note [buckets])."""
+    from minifsdp.ddp import assign_buckets
+
+    cases = [((ps, cap), assign_buckets(ps, cap)) for ps, cap in _bucket_cases()]
+    return check("bucket assignment", cases, fn)
+
+
+def ddp_step_comm(numels: list[int], world_size: int, cap_bytes: int) -> tuple[int, float]:
+    """``(all-reduces per step, bytes one rank sends per step)`` for fp32 ``BucketedDDP``,
+    counting wire bytes as ``minifsdp.comm`` does (2(N-1)/N of each bucket's bytes)."""
+    from minifsdp.ddp import assign_buckets
+
+    buckets = assign_buckets([torch.empty(n) for n in numels], cap_bytes)
+    sent = sum(2 * (world_size - 1) / world_size * 4 * sum(numels[i] for i in b)
+               for b in buckets)
+    return len(buckets), sent
+
+
+def check_ddp_step_comm(fn) -> bool:
+    """``fn(numels, world_size, cap_bytes)`` -> ``(number of all-reduces, wire bytes sent by
+    one rank)`` in one step of fp32 ``BucketedDDP`` (Notes [buckets] and [ring bytes])."""
+    from minifsdp.models import GPT, GPTConfig, MnistCNN
+
+    models = [MnistCNN(), GPT(GPTConfig(n_layer=4, d_model=128))]
+    cases = []
+    for m in models:
+        numels = [p.numel() for p in m.parameters()]
+        for n, cap in [(2, 25 * 2**20), (4, 2**20), (8, 2**18), (1, 2**20)]:
+            cases.append(((numels, n, cap), ddp_step_comm(numels, n, cap)))
+    close = lambda a, b: a[0] == b[0] and abs(a[1] - b[1]) <= 1e-9 * max(1.0, b[1])
+    return check("DDP bytes per step", cases, fn, close=close)
+
+
+def stalled_buckets(buckets: list[list[int]], used: set[int]) -> list[int]:
+    """Buckets that cannot be all-reduced during backward when only ``used`` get gradients:
+    the first bucket with a missing gradient never fills, and later ones wait behind it
+    because buckets are launched in order (Notes [buckets] and [unused parameters])."""
+    for k, b in enumerate(buckets):
+        if any(i not in used for i in b):
+            return list(range(k, len(buckets)))
+    return []
+
+
+def check_stalled_buckets(fn) -> bool:
+    """``fn(buckets, used)`` -> indices of the buckets that backward cannot launch."""
+    cases = [(([[3, 2], [1], [0]], {0, 1, 2, 3}), []),
+             (([[3, 2], [1], [0]], {0, 1, 2}), [0, 1, 2]),
+             (([[3, 2], [1], [0]], {1, 2, 3}), [2]),
+             (([[5, 4], [3, 2], [1, 0]], {0, 1, 4, 5, 2}), [1, 2]),
+             (([[7], [6, 5, 4], [3], [2, 1, 0]], {7, 6, 5, 4, 3, 2, 0}), [3]),
+             (([[0]], set()), [0])]
+    return check("stalled buckets", cases, fn)
+
+
+# ---- chapter 03 -----------------------------------------------------------------------------
+
+
+def flat_partition(numels: list[int], rank: int, world_size: int) -> list[tuple[int, int, int]]:
+    """``(parameter index, start, stop)``: the elements of each parameter that ``rank`` owns in
+    ZeRO's flat partition (one bucket; Note [flat partition]), from ``minifsdp.zero``."""
+    from minifsdp.zero import flatten_into_buckets
+
+    params = [torch.nn.Parameter(torch.empty(n)) for n in numels]
+    [b] = flatten_into_buckets(params, rank, world_size, cap_bytes=float("inf"))
+    lo, hi = rank * b.shard.numel(), (rank + 1) * b.shard.numel()
+    owned = []
+    for i, (p, o) in enumerate(zip(b.params, b.offsets)):
+        start, stop = max(lo, o) - o, min(hi, o + p.numel()) - o
+        if start < stop:
+            owned.append((i, start, stop))
+    return owned
+
+
+def check_flat_partition(fn) -> bool:
+    """``fn(numels, rank, world_size)`` -> list of ``(param index, start, stop)`` slices of the
+    parameters (flattened) that ``rank`` owns, in parameter order."""
+    shapes = [[8], [6, 2], [5, 5, 5], [1, 1000, 3], [7], [4, 4, 4, 4]]
+    cases = [((s, r, n), flat_partition(s, r, n)) for s in shapes for n in (1, 2, 3, 4)
+             for r in range(n)]
+    return check("flat partition", cases, fn)
+
+
+def zero_model_state_bytes(psi: int, n: int, stage: str) -> dict[str, int]:
+    """Per-rank bytes of our fp32 Adam ZeRO (one bucket) after a step's backward, from step 2
+    on: padded flat parameters, gradients, Adam's two shard-sized states and its ``step``."""
+    shard = -(-psi // n)
+    grads = 4 * n * shard if stage == "zero1" else 4 * shard
+    return {"params": 4 * n * shard, "grads": grads, "optimizer": 8 * shard + 4}
+
+
+def check_zero_model_state_bytes(fn, measured: list[tuple] | None = None) -> bool:
+    """``fn(psi, n, stage)`` -> ``{"params", "grads", "optimizer"}`` bytes on one rank
+    (``stage`` is ``"zero1"`` or ``"zero2"``; Note [ZeRO memory categories]). ``measured``:
+    ``((psi, n, stage), bytes)`` pairs from real runs, checked too."""
+    cases = [((psi, n, st), zero_model_state_bytes(psi, n, st))
+             for psi in (1_199_882, 30_592, 10) for n in (1, 2, 3, 4, 8)
+             for st in ("zero1", "zero2")]
+    return check("ZeRO model-state bytes", [*cases, *(measured or [])], fn)
+
+
+def zero_step_wire_bytes(psi: int, n: int, stage: str) -> float:
+    """Bytes one rank sends per fp32 step (one bucket; ``minifsdp.comm``'s accounting):
+    DDP all-reduces 4 psi; ZeRO-1 all-reduces and all-gathers the padded flat buffer; ZeRO-2
+    reduce-scatters and all-gathers it (Note [ZeRO-1 traffic])."""
+    if stage == "ddp":
+        return 2 * (n - 1) / n * 4 * psi
+    flat = 4 * n * -(-psi // n)
+    return (2 if stage == "zero1" else 1) * (n - 1) / n * flat + (n - 1) / n * flat
+
+
+def check_zero_step_wire_bytes(fn, measured: list[tuple] | None = None) -> bool:
+    """``fn(psi, n, stage)`` -> wire bytes one rank sends per step under ``"ddp"``,
+    ``"zero1"`` or ``"zero2"``. ``measured``: ``((psi, n, stage), bytes)`` from real runs."""
+    cases = [((psi, n, st), zero_step_wire_bytes(psi, n, st))
+             for psi in (1_199_882, 30_592, 10) for n in (1, 2, 3, 4)
+             for st in ("ddp", "zero1", "zero2")]
+    close = lambda a, b: abs(a - b) <= 1e-9 * max(1.0, b)
+    return check("ZeRO bytes per step", [*cases, *(measured or [])], fn, close=close)

@@ -97,5 +97,11 @@ def _short(arg: Any) -> str:
 
     if isinstance(arg, torch.nn.Module):
         return f"<{type(arg).__name__}: {sum(p.numel() for p in arg.parameters()):,} params>"
-    text = repr(arg)
+    if isinstance(arg, torch.Tensor):  # the shape says more than uninitialised values
+        dtype = "" if arg.dtype == torch.float32 else f", {str(arg.dtype).split('.')[-1]}"
+        return f"<tensor {tuple(arg.shape)}{dtype}>"
+    if isinstance(arg, (list, tuple)) and arg and isinstance(arg[0], torch.Tensor):
+        inner = ", ".join(_short(a) for a in arg)
+        return f"[{inner}]" if isinstance(arg, list) else f"({inner})"
+    text = " ".join(repr(arg).split())  # one line, whatever the repr
     return text if len(text) <= 80 else text[:77] + "..."

@@ -164,6 +164,155 @@ def largest_batch_plus_one(budget_bytes):
     return largest_batch(budget_bytes) + 1  # the first batch that does *not* fit
 
 
+# ---- chapter 02: buckets -------------------------------------------------------------------
+
+
+def assign_buckets(params, cap_bytes):
+    buckets, current, size, key = [], [], 0, None
+    for i in reversed(range(len(params))):
+        p = params[i]
+        if current and (p.dtype, p.device) != key:
+            buckets.append(current)
+            current, size = [], 0
+        key = (p.dtype, p.device)
+        current.append(i)
+        size += p.numel() * p.element_size()
+        if size >= cap_bytes:
+            buckets.append(current)
+            current, size = [], 0
+    return buckets + ([current] if current else [])
+
+
+def assign_buckets_forward_order(params, cap_bytes):
+    """Fills buckets from the first parameter: the last layers' gradients would wait."""
+    return [list(reversed(b)) for b in reversed(assign_buckets(params[::-1], cap_bytes))]
+
+
+def assign_buckets_cap_exclusive(params, cap_bytes):
+    """Never lets a bucket reach the cap: closes it before the parameter that would."""
+    buckets, current, size = [], [], 0
+    for i in reversed(range(len(params))):
+        nbytes = params[i].numel() * params[i].element_size()
+        if current and size + nbytes >= cap_bytes:
+            buckets.append(current)
+            current, size = [], 0
+        current.append(i)
+        size += nbytes
+    return buckets + ([current] if current else [])
+
+
+def ddp_step_comm(numels, world_size, cap_bytes):
+    buckets = assign_buckets([torch.empty(n) for n in numels], cap_bytes)
+    return len(buckets), 2 * (world_size - 1) / world_size * 4 * sum(numels)
+
+
+def ddp_step_comm_per_tensor(numels, world_size, cap_bytes):
+    """Counts one all-reduce per parameter, as NaiveDDP does."""
+    return len(numels), 2 * (world_size - 1) / world_size * 4 * sum(numels)
+
+
+def ddp_step_comm_gather_bytes(numels, world_size, cap_bytes):
+    """Counts only the reduce-scatter half of the ring."""
+    n, _ = ddp_step_comm(numels, world_size, cap_bytes)
+    return n, (world_size - 1) / world_size * 4 * sum(numels)
+
+
+def stalled_buckets(buckets, used):
+    stalled = False
+    out = []
+    for k, b in enumerate(buckets):
+        stalled = stalled or not set(b) <= used
+        if stalled:
+            out.append(k)
+    return out
+
+
+def stalled_buckets_only_incomplete(buckets, used):
+    """Forgets that buckets launch in order."""
+    return [k for k, b in enumerate(buckets) if not set(b) <= used]
+
+
+def stalled_buckets_from_the_end(buckets, used):
+    """Thinks the last incomplete bucket blocks the ones before it."""
+    bad = [k for k, b in enumerate(buckets) if not set(b) <= used]
+    return list(range(0, bad[-1] + 1)) if bad else []
+
+
+# ---- chapter 03: ZeRO ----------------------------------------------------------------------
+
+
+def flat_partition(numels, rank, world_size):
+    shard = -(-sum(numels) // world_size)
+    lo, hi = rank * shard, (rank + 1) * shard
+    out, offset = [], 0
+    for i, n in enumerate(numels):
+        start, stop = max(lo, offset), min(hi, offset + n)
+        if start < stop:
+            out.append((i, start - offset, stop - offset))
+        offset += n
+    return out
+
+
+def flat_partition_floor(numels, rank, world_size):
+    """Rounds the shard size down: the last elements belong to nobody."""
+    shard = sum(numels) // world_size
+    out, offset = [], 0
+    for i, n in enumerate(numels):
+        start, stop = max(rank * shard, offset), min((rank + 1) * shard, offset + n)
+        if start < stop:
+            out.append((i, start - offset, stop - offset))
+        offset += n
+    return out
+
+
+def flat_partition_per_tensor(numels, rank, world_size):
+    """Splits every parameter N ways instead of the flat buffer."""
+    out = []
+    for i, n in enumerate(numels):
+        k = -(-n // world_size)
+        start, stop = min(rank * k, n), min((rank + 1) * k, n)
+        if start < stop:
+            out.append((i, start, stop))
+    return out
+
+
+def zero_model_state_bytes(psi, n, stage):
+    shard = math.ceil(psi / n)
+    return {"params": 4 * n * shard, "grads": 4 * (n * shard if stage == "zero1" else shard),
+            "optimizer": 8 * shard + 4}
+
+
+def zero_model_state_bytes_unpadded(psi, n, stage):
+    """The paper's formulas: right only when N divides psi."""
+    return {"params": 4 * psi, "grads": 4 * psi if stage == "zero1" else 4 * psi // n,
+            "optimizer": 8 * psi // n + 4}
+
+
+def zero_model_state_bytes_no_step(psi, n, stage):
+    """Forgets Adam's 4-byte step counter."""
+    out = zero_model_state_bytes(psi, n, stage)
+    return {**out, "optimizer": out["optimizer"] - 4}
+
+
+def zero_step_wire_bytes(psi, n, stage):
+    if stage == "ddp":
+        return 2 * (n - 1) / n * 4 * psi
+    flat = 4 * n * math.ceil(psi / n)
+    reduce = 2 * (n - 1) / n * flat if stage == "zero1" else (n - 1) / n * flat
+    return reduce + (n - 1) / n * flat
+
+
+def zero_step_wire_bytes_no_gather(psi, n, stage):
+    """Forgets the all-gather of the updated parameters."""
+    flat = 4 * n * math.ceil(psi / n) if stage != "ddp" else 4 * psi
+    return (1 if stage == "zero2" else 2) * (n - 1) / n * flat
+
+
+def zero_step_wire_bytes_unpadded(psi, n, stage):
+    """Ignores the padding of the flat buffer."""
+    return {"ddp": 2, "zero1": 3, "zero2": 2}[stage] * (n - 1) / n * 4 * psi
+
+
 # ---- the checkers --------------------------------------------------------------------------
 
 # checker -> (the name it prints, a correct solution, wrong solutions)
@@ -179,6 +328,20 @@ SOLUTIONS = {
                                [adam_state_bytes_no_step, adam_state_bytes_k12]),
     "check_largest_batch": ("largest batch", largest_batch,
                             [largest_batch_end_of_forward, largest_batch_plus_one]),
+    "check_assign_buckets": ("bucket assignment", assign_buckets,
+                             [assign_buckets_forward_order, assign_buckets_cap_exclusive]),
+    "check_ddp_step_comm": ("DDP bytes per step", ddp_step_comm,
+                            [ddp_step_comm_per_tensor, ddp_step_comm_gather_bytes]),
+    "check_stalled_buckets": ("stalled buckets", stalled_buckets,
+                              [stalled_buckets_only_incomplete, stalled_buckets_from_the_end]),
+    "check_flat_partition": ("flat partition", flat_partition,
+                             [flat_partition_floor, flat_partition_per_tensor]),
+    "check_zero_model_state_bytes": ("ZeRO model-state bytes", zero_model_state_bytes,
+                                     [zero_model_state_bytes_unpadded,
+                                      zero_model_state_bytes_no_step]),
+    "check_zero_step_wire_bytes": ("ZeRO bytes per step", zero_step_wire_bytes,
+                                   [zero_step_wire_bytes_no_gather,
+                                    zero_step_wire_bytes_unpadded]),
 }
 WRONG = [(c, w) for c, (_, _, wrongs) in SOLUTIONS.items() for w in wrongs]
 WRONG_IDS = [w.__name__ for _, w in WRONG]
