@@ -75,7 +75,7 @@ def _torch_ddp(model, info, args):
     from torch.nn.parallel import DistributedDataParallel
 
     ids = [info.device.index] if info.device.type == "cuda" else None
-    return DistributedDataParallel(model, device_ids=ids)
+    return DistributedDataParallel(model, device_ids=ids, bucket_cap_mb=args.bucket_cap_mb)
 
 
 @strategy("torch_fsdp1")
@@ -144,7 +144,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="ranks the data is split for (default: world size); with --strategy "
                    "single, N reproduces the global batches of an N-rank run")
     p.add_argument("--bucket-cap-mb", type=float, default=25.0,
-                   help="bucketed_ddp, zero1, zero2: gradient bucket size in MiB "
+                   help="torch_ddp, bucketed_ddp, zero1, zero2: gradient bucket size in MiB "
                    "(torch DDP's default: 25)")
     p.add_argument("--full-batch", action="store_true",
                    help="with --strategy single: one backward over the whole global batch "
