@@ -37,6 +37,14 @@ timeline shows communication overlapping the compute ``span``s recorded between.
 these are still *host* times: NCCL calls return once the work is queued, and ``wait()`` only
 makes the compute stream wait, so the log says when work was issued, not when it ran. For
 device-side truth on GPUs use ``torch.profiler``.
+
+Note [async completion]: ``t_end`` (the ``wait()``) says when the *caller* needed the result,
+which for a bucket launched early in backward is long after the bytes arrived. ``t_done`` says
+when the collective itself finished: the work's future runs a callback that stamps it. On gloo
+the future completes when the collective has completed on gloo's own thread, so ``t_start`` to
+``t_done`` is the real transfer window. On NCCL the future completes once the work is ordered
+on the CUDA stream -- again a host time, not the kernel's end (Note [timing]). For blocking
+calls ``t_done == t_end``.
 """
 
 from __future__ import annotations
@@ -66,6 +74,8 @@ class CommRecord:
     t_start: float
     t_end: float | None  # None while an async op has not been waited on
     tag: str | None
+    # When the collective itself finished (Note [async completion]); = t_end for blocking ones.
+    t_done: float | None = None
 
 
 class CommLog:
@@ -167,12 +177,14 @@ def _span(logs: list[CommLog], name: str, tag: str | None) -> Iterator[None]:
 def _record(log: CommLog, kind: str, op: str, nbytes: int, wire: float, group_size: int,
             tensor: torch.Tensor | None, t0: float, t1: float | None,
             tag: str | None) -> CommRecord:
+    t1 = None if t1 is None else t1 - log.t0
     return CommRecord(
         kind, op, nbytes, wire, group_size,
         None if tensor is None else str(tensor.dtype).removeprefix("torch."),
         None if tensor is None else list(tensor.shape),
-        t0 - log.t0, None if t1 is None else t1 - log.t0,
+        t0 - log.t0, t1,
         tag if tag is not None else (_TAGS[-1] if _TAGS else None),
+        t1,
     )
 
 
@@ -182,6 +194,16 @@ class LoggedWork:
 
     def __init__(self, work: Any, records: list[tuple[CommLog, CommRecord]]):
         self._work, self._records = work, records
+        try:  # Note [async completion]
+            work.get_future().then(self._stamp_done)
+        except (AttributeError, RuntimeError):  # a backend without futures: wait() stamps it
+            pass
+
+    def _stamp_done(self, fut: Any) -> None:
+        t = time.perf_counter()
+        for log, rec in self._records:
+            if rec.t_done is None:
+                rec.t_done = t - log.t0
 
     def wait(self, *args: Any, **kwargs: Any) -> Any:
         out = self._work.wait(*args, **kwargs)
@@ -189,6 +211,8 @@ class LoggedWork:
         for log, rec in self._records:
             if rec.t_end is None:
                 rec.t_end = t - log.t0
+            if rec.t_done is None or rec.t_done > rec.t_end:
+                rec.t_done = rec.t_end
         return out
 
     def __getattr__(self, name: str) -> Any:

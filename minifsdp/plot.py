@@ -164,8 +164,10 @@ PHASE_COLORS = {"forward": "#4C72B0", "backward": "#DD8452", "optimizer step": "
 def plot_comm_timeline(records: Sequence[Mapping], step: int = -1, ax=None,
                        title="Compute and communication in one step"):
     """Two lanes for one rank's step: compute spans (forward, backward, optimizer step) and
-    each collective from issue to completion (async ones end at ``wait``), in milliseconds
-    from the start of the step's forward.
+    each collective from issue to completion (``t_done``, Note [async completion] in
+    ``minifsdp.comm``; a thin line continues an async one until its ``wait()``), in
+    milliseconds from the start of the step's forward. Nested compute spans (the DDP final
+    callback inside backward) are drawn on top of the span that contains them.
 
     ``records`` is a rank's comm log (``RunResult.ranks[r]["comm"]``, from ``minifsdp.comm``);
     ``step`` picks the step by its forward span (``-1``: the last).
@@ -177,14 +179,21 @@ def plot_comm_timeline(records: Sequence[Mapping], step: int = -1, ax=None,
     t1 = later[0] if later else float("inf")
     inside = [r for r in records if t0 <= r["t_start"] < t1]
     few = sum(r["kind"] != "compute" for r in inside) <= 16  # label collectives if readable
-    for r in inside:
-        ms = ((r["t_start"] - t0) * 1e3, (r["t_end"] - r["t_start"]) * 1e3)
+    # Longest first, so that a span nested in another (e.g. a final callback run inside
+    # backward) is drawn over it rather than hidden under it.
+    for r in sorted(inside, key=lambda r: r["t_start"] - r["t_end"]):
+        done = r.get("t_done")
+        done = r["t_end"] if done is None else done
+        ms = ((r["t_start"] - t0) * 1e3, (done - r["t_start"]) * 1e3)
         if r["kind"] == "compute":
             ax.broken_barh([ms], (1.1, 0.8), color=PHASE_COLORS.get(r["op"], "0.6"),
                            label=r["op"])
         else:
             ax.broken_barh([ms], (0.1, 0.8), color=COLORS["comm"], alpha=0.6,
                            edgecolor="black", linewidth=0.5)
+            if r["t_end"] > done:  # waited on later: the result sat ready until then
+                ax.plot([(done - t0) * 1e3, (r["t_end"] - t0) * 1e3], [0.5, 0.5],
+                        color=COLORS["comm"], lw=1, ls=":")
             if r.get("tag") and few:
                 ax.text(ms[0] + ms[1] / 2, 0.5, r["tag"], ha="center", va="center", fontsize=6,
                         rotation=90)
@@ -192,6 +201,10 @@ def plot_comm_timeline(records: Sequence[Mapping], step: int = -1, ax=None,
     ax.set(title=title, xlabel="time since the step's forward began (ms)", ylim=(0, 2))
     handles, labels = ax.get_legend_handles_labels()
     seen = dict(zip(labels, handles))
-    ax.legend(seen.values(), seen.keys(), fontsize=7, loc="upper right", ncol=4)
+    first = {}  # legend in the order the phases began, not the order they were drawn
+    for r in inside:
+        first.setdefault(r["op"], r["t_start"])
+    order = sorted(seen, key=lambda op: first.get(op, 0.0))
+    ax.legend([seen[op] for op in order], order, fontsize=7, loc="upper right", ncol=4)
     ax.grid(axis="x", alpha=0.3)
     return ax

@@ -90,7 +90,8 @@ def test_logged_collectives_record_ring_formulas(ranks):
                                     "all_to_all"]
         assert [x[:2] for x in log["ops"][5:]] == [["compute", "compute"], ["comm", "all_reduce"]]
         assert log["json_keys"] == sorted(["kind", "op", "bytes", "wire_bytes", "group_size",
-                                           "dtype", "shape", "t_start", "t_end", "tag"])
+                                           "dtype", "shape", "t_start", "t_end", "tag",
+                                           "t_done"])
         assert log["span"][1] - log["span"][0] >= 0.05
         assert log["process_log_has_them"]
 
@@ -100,3 +101,11 @@ def test_async_end_time_is_stamped_at_wait(ranks):
         log = r["log"]
         assert log["async_end_before_wait"] is None
         assert log["async_t_end"] >= log["async_t_wait"]  # recorded after wait() returned
+
+
+def test_async_completion_is_stamped_before_the_wait(ranks):
+    # Note [async completion]: a 40-byte all-reduce is done long before the 0.2 s sleep ends
+    for r in ranks:
+        log = r["log"]
+        assert log["async_t_start"] <= log["async_t_done"] < log["async_t_wait"]
+        assert log["sync_done_is_end"]

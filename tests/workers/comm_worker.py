@@ -111,6 +111,9 @@ out["log"] = {
     "async_end_before_wait": end_before_wait,
     "async_t_wait": t_wait,
     "async_t_end": log.records[-1].t_end,
+    "async_t_start": log.records[-1].t_start,
+    "async_t_done": log.records[-1].t_done,
+    "sync_done_is_end": all(r.t_done == r.t_end for r in inner.records),
     "span": [log.records[-2].t_start, log.records[-2].t_end],
     "process_log_has_them": len(comm.comm_log().comms()) >= len(log.comms()),
 }
