@@ -247,6 +247,12 @@ def all_reduce(tensor, op=ReduceOp.SUM, group=None, async_op=False, *, tag=None)
                    lambda: dist.all_reduce(tensor, op, group, async_op))
 
 
+# torch 2.14 renamed all_gather_into_tensor / reduce_scatter_tensor to *_single (same
+# signatures) and deprecates the old names; older releases only have the old ones.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
 def all_gather_into_tensor(output_tensor, input_tensor, group=None, async_op=False, *,
                            tag=None):
     """``output (N*k, ...)`` = the ``input (k, ...)`` of ranks 0..N-1, concatenated.
@@ -254,8 +260,7 @@ def all_gather_into_tensor(output_tensor, input_tensor, group=None, async_op=Fal
     n = dist.get_world_size(group)
     return _logged("all_gather", input_tensor, (n - 1) / n * _nbytes(output_tensor), group,
                    tag, async_op,
-                   lambda: dist.all_gather_into_tensor(output_tensor, input_tensor, group,
-                                                       async_op))
+                   lambda: _all_gather_single(output_tensor, input_tensor, group, async_op))
 
 
 def reduce_scatter_tensor(output, input, op=ReduceOp.SUM, group=None, async_op=False, *,
@@ -264,7 +269,11 @@ def reduce_scatter_tensor(output, input, op=ReduceOp.SUM, group=None, async_op=F
     (N*k, ...)``. Wire: (N-1)/N * S_in. Example: [1, 2] and [3, 4] -> [4] on rank 0, [6] on 1."""
     n = dist.get_world_size(group)
     return _logged("reduce_scatter", input, (n - 1) / n * _nbytes(input), group, tag, async_op,
-                   lambda: dist.reduce_scatter_tensor(output, input, op, group, async_op))
+                   lambda: _reduce_scatter_single(output, input, op, group, async_op))
+
+
+all_gather_single = all_gather_into_tensor  # torch >= 2.14's name
+reduce_scatter_single = reduce_scatter_tensor
 
 
 def all_gather(tensor_list, tensor, group=None, async_op=False, *, tag=None):
