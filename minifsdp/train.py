@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import time
 from collections.abc import Callable
 
@@ -81,9 +82,37 @@ def _torch_ddp(model, info, args):
 @strategy("torch_fsdp1")
 def _torch_fsdp1(model, info, args):
     # FSDP1 runs on CPU only when told its device is the CPU (DESIGN.md, measured).
-    from torch.distributed.fsdp import FullyShardedDataParallel
+    from torch.distributed.fsdp import CPUOffload, FullyShardedDataParallel, ShardingStrategy, wrap
 
-    return FullyShardedDataParallel(model, device_id=info.device, use_orig_params=True)
+    if args.cpu_offload and info.device.type == "cpu":
+        raise ValueError("--cpu-offload: torch FSDP1's CPUOffload needs an accelerator (on CPU "
+                         "the parameters are in host memory already); --strategy fsdp1 runs it "
+                         "on CPU, as the same code path (Note [CPU offload] in minifsdp/fsdp1.py)")
+    policies = {
+        "none": None,
+        "size": functools.partial(wrap.size_based_auto_wrap_policy,
+                                  min_num_params=args.min_num_params),
+        "transformer": functools.partial(wrap.transformer_auto_wrap_policy,
+                                         transformer_layer_cls=unit_classes(model)),
+    }
+    return FullyShardedDataParallel(
+        model, device_id=info.device, use_orig_params=True,
+        sharding_strategy=ShardingStrategy[args.sharding_strategy.upper()],
+        auto_wrap_policy=policies[args.auto_wrap],
+        cpu_offload=CPUOffload(offload_params=args.cpu_offload))
+
+
+@strategy("fsdp1")
+def _fsdp1(model, info, args):
+    from minifsdp import fsdp1
+
+    policies = {"none": lambda: None,
+                "size": lambda: fsdp1.size_based_auto_wrap_policy(args.min_num_params),
+                "transformer": lambda: fsdp1.transformer_auto_wrap_policy(unit_classes(model))}
+    return fsdp1.FullyShardedDataParallel(
+        model, sharding_strategy=args.sharding_strategy, device_id=info.device,
+        cpu_offload=fsdp1.CPUOffload(offload_params=args.cpu_offload),
+        auto_wrap_policy=policies[args.auto_wrap]())
 
 
 @strategy("torch_fsdp2")
@@ -93,8 +122,8 @@ def _torch_fsdp2(model, info, args):
 
     mesh = init_device_mesh(info.device.type, (info.world_size,))
     for unit in shard_units(model):  # bottom-up: children before the root
-        fully_shard(unit, mesh=mesh)
-    return fully_shard(model, mesh=mesh)
+        fully_shard(unit, mesh=mesh, reshard_after_forward=args.reshard_after_forward)
+    return fully_shard(model, mesh=mesh, reshard_after_forward=args.reshard_after_forward)
 
 
 @strategy("ddp")
@@ -127,11 +156,31 @@ def _zero2(model, info, args):
                       bucket_cap_mb=args.bucket_cap_mb)
 
 
+@strategy("fsdp2")
+def _fsdp2(model, info, args):
+    # torch_fsdp2's units and options, with minifsdp.fsdp2.fully_shard. Its parameters are
+    # DTensors too, so save_full_params' get_model_state_dict gathers them as it does torch's.
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from minifsdp.fsdp2 import fully_shard
+
+    mesh = init_device_mesh(info.device.type, (info.world_size,))
+    for unit in shard_units(model):  # bottom-up: children before the root
+        fully_shard(unit, mesh=mesh, reshard_after_forward=args.reshard_after_forward)
+    return fully_shard(model, mesh=mesh, reshard_after_forward=args.reshard_after_forward)
+
+
 def shard_units(model: nn.Module) -> list[nn.Module]:
     """The sub-modules that FSDP wraps as units: transformer blocks, or the CNN's layers."""
     if hasattr(model, "blocks"):
         return list(model.blocks)
     return [m for m in model.children() if any(True for _ in m.parameters())]
+
+
+def unit_classes(model: nn.Module) -> set[type]:
+    """``--auto-wrap transformer``'s layer classes: those of ``shard_units`` (GPT: ``Block``;
+    CNN: ``Conv2d`` and ``Linear``), so FSDP1 wraps the units that FSDP2 shards."""
+    return {type(m) for m in shard_units(model)}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -146,6 +195,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--bucket-cap-mb", type=float, default=25.0,
                    help="torch_ddp, bucketed_ddp, zero1, zero2: gradient bucket size in MiB "
                    "(torch DDP's default: 25)")
+    p.add_argument("--sharding-strategy", choices=["full_shard", "shard_grad_op", "no_shard"],
+                   default="full_shard", help="fsdp1, torch_fsdp1 (Note [sharding strategies] "
+                   "in minifsdp/fsdp1.py)")
+    p.add_argument("--auto-wrap", choices=["none", "size", "transformer"], default="none",
+                   help="fsdp1, torch_fsdp1: the units; none: the whole model is one unit; size: "
+                   "wherever --min-num-params are not yet wrapped; transformer: each of the "
+                   "model's blocks (the CNN: each layer)")
+    p.add_argument("--min-num-params", type=int, default=10_000,
+                   help="--auto-wrap size: the threshold (torch's min_num_params)")
+    p.add_argument("--cpu-offload", action="store_true",
+                   help="fsdp1, torch_fsdp1: keep the parameter shards and their gradients in "
+                   "host memory (torch's needs an accelerator)")
     p.add_argument("--full-batch", action="store_true",
                    help="with --strategy single: one backward over the whole global batch "
                    "instead of accumulating its --data-shards micro-batches "
@@ -159,6 +220,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--n-head", type=int, default=4)
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--vocab-size", type=int, default=64)
+    p.add_argument("--tie-embeddings", action="store_true",
+                   help="GPT: the head shares the token embedding's weight")
     p.add_argument("--track-memory", type=int, default=0, metavar="K",
                    help="record the memory timeline of the first K steps")
     p.add_argument("--eval", action="store_true", help="report test accuracy at the end")
@@ -166,7 +229,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="evaluate on the first N test images (all 10,000 cost ~10 s on 1 core)")
     p.add_argument("--save-params", action="store_true",
                    help="rank 0 saves the full final parameters to <out>/params.pt")
+    p.add_argument("--reshard-after-forward", choices=["true", "false"], default=None,
+                   type=str.lower, help="fsdp2, torch_fsdp2: free the unsharded parameters "
+                   "after forward (default: true, except the root's, as torch 2.14)")
     args = p.parse_args(argv)
+    if args.reshard_after_forward is not None:
+        args.reshard_after_forward = args.reshard_after_forward == "true"
     if args.eval and args.model != "cnn":
         p.error("--eval needs --model cnn (the token data has no test set)")
     if args.strategy not in STRATEGIES:
@@ -179,7 +247,7 @@ def make_model(args: argparse.Namespace) -> nn.Module:
         return build_model("cnn", dropout=args.dropout)
     return build_model("gpt", vocab_size=args.vocab_size, seq_len=args.seq_len,
                        n_layer=args.n_layer, n_head=args.n_head, d_model=args.d_model,
-                       dropout=args.dropout)
+                       dropout=args.dropout, tie_embeddings=args.tie_embeddings)
 
 
 def make_optimizer(params, args: argparse.Namespace) -> torch.optim.Optimizer:
@@ -329,9 +397,13 @@ def save_full_params(model: nn.Module, info: DistInfo) -> None:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     from minifsdp.dist import results_dir
+    from minifsdp.fsdp1 import FullyShardedDataParallel, full_state_dict
 
-    sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True,
-                                                               cpu_offload=True))
+    if isinstance(model, FullyShardedDataParallel):  # ours: torch's helper does not know it
+        sd = full_state_dict(model)
+    else:
+        sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True,
+                                                                   cpu_offload=True))
     # torch strips its own DDP's "module." prefix; our wrappers (NaiveDDP, BucketedDDP) need
     # the same so that every strategy saves the model's own parameter names.
     torch.nn.modules.utils.consume_prefix_in_state_dict_if_present(sd, "module.")

@@ -1,0 +1,338 @@
+"""FSDP1's FlatParameter: one unit's parameters as one flat, padded 1-D tensor, sharded N ways.
+
+``minifsdp.fsdp1`` shards a model *unit* by unit. This module is the data layout of one unit:
+its parameters are copied, back to back, into one 1-D tensor, padded to a multiple of N and cut
+into N equal shards; rank r keeps shard r as a ``FlatParameter`` (an ``nn.Parameter``), the one
+tensor of the unit that the optimizer steps. To compute, the unit all-gathers the N shards into
+the unsharded flat tensor, and every original parameter becomes a *view* into it::
+
+    handle = FlatParamHandle(named_params, rank=r, world_size=N)  # the modules now hold views
+    handle.flat_param             # (padded_numel / N,): this rank's shard, what the optimizer sees
+    handle.unshard()              # all-gather the N shards into handle.unsharded (padded_numel,)
+    handle.use_unsharded_views()  # module.weight = handle.unsharded[o:o + n].view(shape)
+    ...forward, backward...
+    handle.reshard()              # free the unsharded storage; only the shard remains
+
+*When* to unshard and reshard, and what to do with gradients, is ``minifsdp.fsdp1``'s business.
+torch's ``FlatParamHandle`` (torch/distributed/fsdp/_flat_param.py) is the model.
+
+Note [flat layout]: parameters go in ``named_modules()`` order, each module's in registration
+order, a tied parameter once (Note [tied parameters]). Parameter i occupies
+``unsharded[offsets[i]:offsets[i] + numel_i]``; each offset is rounded up to a 16-byte boundary
+(Note [alignment]) and the total is padded with zeros to a multiple of N, so the N shards are
+equal and a reduce-scatter of the flat gradient needs no copy. Padding is never seen by the
+model; its gradient is zero, so the optimizer keeps it at zero. ``ParamInfo`` records each
+parameter's fqn, shape, numel and offset, which is all one needs to find it again.
+
+Note [alignment]: torch FSDP1 with ``use_orig_params=True`` starts every parameter at a 16-byte
+boundary (kernels compiled by Inductor assume aligned pointers). We do the same, and it buys
+more than speed: gloo's (and NCCL's) reduce-scatter adds an element's N contributions in an
+order that depends on the element's *position* in the buffer (measured: shifting a buffer by
+one element changes last bits at N = 3 and 4). With the same layout as torch, our gradients are
+bitwise torch's at every N, not only at N = 2; packed tightly, an MLP of odd sizes trained at
+N = 3 ends 9e-10 away from torch (tests/workers/fsdp1_worker.py).
+
+Note [views, not copies]: during compute ``module.weight`` is ``unsharded[o:o+n].view(shape)``,
+made with autograd from the leaf ``unsharded`` (requires_grad). Backward therefore delivers
+every view's gradient into one flat ``unsharded.grad`` of shape ``(padded_numel,)`` (split's
+backward concatenates, zeros in the padding): exactly the reduce-scatter's input. A copy would
+double the memory and need a copy back; a view costs nothing. Views are made fresh at each
+forward (cheap) and stored in the module's ``__dict__``; the registered entry in
+``module._parameters`` is left as ``None``, which keeps its position (so state-dict order
+survives) but hides it from ``parameters()``: the optimizer sees only the FlatParameter.
+Between iterations the attributes still hold the last views, whose storage has been freed:
+read parameters through ``fsdp1.summon_full_params`` or ``fsdp1.full_state_dict``.
+
+Note [freeing storage]: after the forward, autograd still holds the views it saved for backward
+(a Linear saves its weight to compute the input's gradient), so dropping our reference to the
+unsharded tensor would free nothing. FSDP instead frees the *storage*:
+``unsharded.untyped_storage().resize_(0)``: every view keeps its shape but owns zero bytes.
+Before the unit's backward the same storage is resized and all-gathered into again, and the
+saved views see the data once more. (``MemoryTracker`` patches ``resize_`` to see this.)
+
+Note [two tensors, one storage]: the all-gather writes into ``_buffer``, and the views are
+made from ``unsharded``: two tensor objects over the same storage (``unsharded.data =
+_buffer``). Why two? Autograd checks that a saved tensor was not modified in place, by a
+version counter shared by a tensor and its views. Writing the backward all-gather into
+``unsharded`` itself would bump that counter and backward would refuse the saved views;
+``_buffer`` has its own counter. (torch FSDP1 plays the same trick with ``flat_param.data``.)
+
+Note [tied parameters]: a parameter reachable under two names (GPT's ``tok_emb.weight`` and
+``head.weight`` with ``tie_embeddings``) is flattened once, under its first name; the second
+name is a ``SharedParamInfo`` pointing at the first, and gets the *same* view, so autograd sums
+both uses' gradients into one place, as for the unwrapped model. Both names must be in the
+same unit (Note [tied parameters across units] in ``minifsdp.wrap``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+from minifsdp import comm
+from minifsdp.memory import tag
+
+ALIGN_BYTES = 16  # Note [alignment]
+
+
+@dataclass(frozen=True, eq=False)
+class ParamInfo:
+    """Where one original parameter lives: ``module.<name>`` (``fqn``, relative to the unit's
+    module) is ``unsharded[offset:offset + numel].view(shape)``."""
+
+    fqn: str
+    module: nn.Module
+    name: str
+    shape: torch.Size
+    numel: int
+    offset: int
+
+
+@dataclass(frozen=True, eq=False)
+class SharedParamInfo:
+    """A second name of a tied parameter: ``module.<name>`` is the view of ``infos[primary]``."""
+
+    fqn: str
+    module: nn.Module
+    name: str
+    primary: int
+
+
+class FlatParameter(nn.Parameter):
+    """This rank's shard of one unit's flattened parameters: what the optimizer steps.
+
+    Shape ``(padded_numel // world_size,)``, or ``(padded_numel,)`` when not sharded (NO_SHARD).
+    Its metadata (set by ``FlatParamHandle``) says what it holds: ``infos`` (one ``ParamInfo``
+    per distinct original parameter), ``shared`` (``SharedParamInfo``, tied names),
+    ``padded_numel``, ``rank``, ``world_size`` and ``sharded``.
+
+    Example (rank 1 of 3; see ``FlatParamHandle``)::
+
+        [flat] = model.parameters()        # one FlatParameter per unit
+        flat.shape, flat.padded_numel      # (torch.Size([36]), 108)
+        [(i.fqn, i.offset) for i in flat.infos]   # [('0.weight', 0), ('0.bias', 72), ...]
+    """
+
+    infos: list[ParamInfo]
+    shared: list[SharedParamInfo]
+    padded_numel: int
+    rank: int
+    world_size: int
+    sharded: bool
+
+
+def flat_layout(numels: list[int], world_size: int, align: int = 1) -> tuple[list[int], int]:
+    """Offsets of parameters of ``numels`` elements laid out back to back, each start rounded up
+    to a multiple of ``align`` elements, and the total padded to a multiple of ``world_size``
+    (Note [flat layout]). Returns ``(offsets, padded_numel)``.
+
+    Example:
+        >>> flat_layout([70, 7, 21, 3], world_size=3, align=4)  # Linear(10, 7), Linear(7, 3)
+        ([0, 72, 80, 104], 108)
+    """
+    offsets, total = [], 0
+    for n in numels:
+        total = -(-total // align) * align
+        offsets.append(total)
+        total += n
+    return offsets, -(-total // world_size) * world_size
+
+
+Named = tuple[str, nn.Module, str, nn.Parameter]  # (fqn, module, attribute name, parameter)
+
+
+def registered_params(module: nn.Module) -> list[Named]:
+    """``(fqn, module, name, parameter)`` for every name under which a parameter is registered
+    below ``module``, in ``named_modules()`` order: a tied parameter appears once per name.
+
+    Example:
+        >>> [(fqn, name) for fqn, _, name, _ in registered_params(nn.Linear(2, 2))]
+        [('weight', 'weight'), ('bias', 'bias')]
+    """
+    return [(f"{mname}.{pname}" if mname else pname, m, pname, p)
+            for mname, m in module.named_modules() for pname, p in m._parameters.items()
+            if p is not None]
+
+
+class FlatParamHandle:
+    """Flatten ``params`` into one ``FlatParameter`` shard and manage its unsharded copy.
+
+    Args:
+        params: ``(fqn, module, name, parameter)`` for every name under which a parameter of the
+            unit is registered, in the order of Note [flat layout]; a parameter listed twice is
+            tied. They must share dtype and device, require grad, and not be on ``meta``.
+        rank, world_size: this rank's place in ``process_group``.
+        sharded: False for NO_SHARD: the "shard" is the whole padded flat tensor.
+        device: the compute device (default: the parameters'); ``unsharded`` lives there.
+        offload: keep ``flat_param`` in CPU memory (Note [CPU offload] in ``minifsdp.fsdp1``).
+        process_group: the group of the all-gather.
+
+    Afterwards the modules have ``_parameters[name] = None`` and hold views (Note [views, not
+    copies]). Attributes: ``flat_param`` (``(padded_numel / N,)``), ``unsharded`` (the compute
+    leaf, ``(padded_numel,)``, storage freed while ``not is_unsharded``), ``infos``, ``shared``.
+
+    Example:
+        >>> seq = nn.Sequential(nn.Linear(10, 7), nn.Linear(7, 3))
+        >>> h = FlatParamHandle(registered_params(seq), rank=1, world_size=3)
+        >>> h.flat_param.shape, h.padded_numel, [i.offset for i in h.infos]
+        (torch.Size([36]), 108, [0, 72, 80, 104])
+        >>> list(seq.parameters())     # the modules hold views now, no parameters
+        []
+    """
+
+    def __init__(self, params: list[Named], rank: int, world_size: int, *, sharded: bool = True,
+                 device: torch.device | None = None, offload: bool = False,
+                 process_group=None, label: str = ""):
+        if not params:
+            raise ValueError("FlatParamHandle needs at least one parameter")
+        primary: dict[int, int] = {}  # id(parameter) -> index in self.infos
+        unique: list[nn.Parameter] = []
+        for fqn, _, _, p in params:
+            if p.device.type == "meta":
+                raise ValueError(f"parameter {fqn!r} is on the meta device: materialize the module "
+                                 "first (module.to_empty(device=...), then initialize it)")
+            if not p.requires_grad:
+                raise ValueError(f"parameter {fqn!r} does not require grad: a FlatParameter has "
+                                 "one requires_grad for the whole unit (frozen parameters would "
+                                 "need a unit of their own, which this FSDP1 does not support)")
+            if id(p) not in primary:
+                primary[id(p)] = len(unique)
+                unique.append(p)
+        if len({(p.dtype, p.device) for p in unique}) > 1:
+            kinds = sorted({(str(p.dtype), str(p.device)) for p in unique})
+            raise ValueError(f"unit {label or '(root)'}: parameters of one unit must share dtype "
+                             f"and device, got {kinds}")
+        dtype = unique[0].dtype
+        self.device = torch.device(device) if device is not None else unique[0].device
+        self.rank, self.world_size, self.sharded = rank, world_size, sharded
+        self.offload, self.process_group, self.label = offload, process_group, label
+        offsets, self.padded_numel = flat_layout([p.numel() for p in unique], world_size,
+                                                 max(1, ALIGN_BYTES // dtype.itemsize))
+        self.infos: list[ParamInfo] = []
+        self.shared: list[SharedParamInfo] = []
+        seen: set[int] = set()
+        for fqn, module, name, p in params:
+            if id(p) in seen:
+                self.shared.append(SharedParamInfo(fqn, module, name, primary[id(p)]))
+            else:
+                seen.add(id(p))
+                self.infos.append(ParamInfo(fqn, module, name, p.shape, p.numel(),
+                                            offsets[primary[id(p)]]))
+
+        full = torch.zeros(self.padded_numel, dtype=dtype, device=self.device)
+        with torch.no_grad():
+            for info, p in zip(self.infos, unique):
+                full[info.offset:info.offset + info.numel].copy_(p.reshape(-1))
+                p._minifsdp_flattened = label or "?"  # Note [tied parameters across units]
+        shard = full[rank * self.shard_numel:(rank + 1) * self.shard_numel] if sharded else full
+        shard = shard.to("cpu", copy=True) if offload else shard.clone() if sharded else shard
+        self.flat_param = FlatParameter(shard)
+        fp = self.flat_param
+        fp.infos, fp.shared, fp.padded_numel = self.infos, self.shared, self.padded_numel
+        fp.rank, fp.world_size, fp.sharded = rank, world_size, sharded
+
+        # Note [two tensors, one storage]. NO_SHARD without offload computes on the flat
+        # parameter's own storage: nothing to gather, nothing to free.
+        self._owns_buffer = sharded or offload
+        self._buffer = full if self._owns_buffer else fp.data
+        self.unsharded = torch.empty(0, dtype=dtype, device=self.device).requires_grad_()
+        self.unsharded.data = self._buffer
+        self.is_unsharded = True
+        self._split_sizes, self._chunk_of = [], []  # split of unsharded: gaps, params, tail
+        end = 0
+        for info in self.infos:
+            if info.offset > end:
+                self._split_sizes.append(info.offset - end)
+            self._chunk_of.append(len(self._split_sizes))
+            self._split_sizes.append(info.numel)
+            end = info.offset + info.numel
+        if self.padded_numel > end:
+            self._split_sizes.append(self.padded_numel - end)
+        with torch.no_grad():
+            self.use_unsharded_views()  # the modules' names now point into the flat tensor
+        self.reshard()
+
+    @property
+    def shard_numel(self) -> int:
+        """Elements per rank, padding included: ``padded_numel / world_size`` (all when not
+        sharded)."""
+        return self.padded_numel // self.world_size if self.sharded else self.padded_numel
+
+    # ---- unshard / reshard ------------------------------------------------------------------
+
+    def unshard(self, tag_: str | None = None) -> None:
+        """Re-allocate the unsharded storage and all-gather the N shards into it (a copy to the
+        compute device when not sharded but offloaded). A no-op if already unsharded.
+        ``tag_`` labels the collective in the comm log."""
+        if self.is_unsharded:
+            return
+        self._buffer.untyped_storage().resize_(self._buffer.numel() * self._buffer.element_size())
+        tag(self._buffer, "params")  # Note [memory categories] in minifsdp.fsdp1
+        with torch.no_grad():
+            if not self.sharded:  # NO_SHARD + offload: the host -> device copy is the unshard
+                self._buffer.copy_(self.flat_param)
+            else:
+                shard = self.flat_param.detach()
+                if self.offload:  # Note [CPU offload] in minifsdp.fsdp1
+                    shard = shard.to(self.device, copy=True)
+                    tag(shard, "comm")
+                comm.all_gather_into_tensor(self._buffer, shard, self.process_group, tag=tag_)
+        self.is_unsharded = True
+
+    def reshard(self) -> None:
+        """Free the unsharded storage (Note [freeing storage]); views keep their shapes. A no-op
+        when there is nothing to free (NO_SHARD without offload) or it is already free."""
+        if self._owns_buffer and self.is_unsharded:
+            self._buffer.untyped_storage().resize_(0)
+            self.is_unsharded = False
+
+    @torch.no_grad()
+    def write_back(self) -> None:
+        """Copy this rank's slice of the unsharded tensor into the shard (after writing to the
+        unsharded parameters, e.g. in ``summon_full_params``)."""
+        if self._owns_buffer:
+            r, s = self.rank if self.sharded else 0, self.shard_numel
+            self.flat_param.copy_(self._buffer[r * s:(r + 1) * s])
+
+    # ---- views ------------------------------------------------------------------------------
+
+    def unflatten(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """Views of ``flat`` (shape ``(padded_numel,)``) with the original shapes, one per
+        ``infos`` entry: for an unsharded tensor, the parameters; for its gradient, theirs.
+
+        Example:
+            >>> lin = nn.Linear(3, 2)
+            >>> h = FlatParamHandle([("weight", lin, "weight", lin.weight),
+            ...                      ("bias", lin, "bias", lin.bias)], rank=0, world_size=1)
+            >>> h.padded_numel, [i.offset for i in h.infos]   # the bias starts 16-byte aligned
+            (10, [0, 8])
+            >>> [t.tolist() for t in h.unflatten(torch.arange(10.0))]
+            [[[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]], [8.0, 9.0]]
+        """
+        chunks = torch.split(flat, self._split_sizes)
+        return [chunks[c].view(info.shape) for c, info in zip(self._chunk_of, self.infos)]
+
+    def use_unsharded_views(self, as_params: bool = False) -> None:
+        """Point every original name (tied ones too) at its view of ``unsharded``. Made with
+        autograd when grad is enabled (Note [views, not copies]). With ``as_params`` the views are
+        registered as ``nn.Parameter`` (sharing the storage) so that ``named_parameters()`` and
+        ``state_dict()`` see the original names; otherwise they are plain attributes."""
+        views = self.unflatten(self.unsharded)
+        for info, view in zip(self.infos, views):
+            _set_param(info.module, info.name, view, as_params)
+        for s in self.shared:
+            _set_param(s.module, s.name, getattr(self.infos[s.primary].module,
+                                                 self.infos[s.primary].name), as_params)
+
+
+def _set_param(module: nn.Module, name: str, tensor: torch.Tensor, as_param: bool) -> None:
+    if as_param:
+        if not isinstance(tensor, nn.Parameter):
+            tensor = nn.Parameter(tensor, requires_grad=False)
+        module.__dict__.pop(name, None)
+        module._parameters[name] = tensor
+    else:  # keep the slot (state_dict order), hidden from parameters(); the view wins lookup
+        module._parameters[name] = None
+        module.__dict__[name] = tensor
