@@ -1,0 +1,58 @@
+"""FSDP2: ``fully_shard`` -- per-parameter dim-0 sharding on DTensor (chapter 05).
+
+A smaller, readable version of ``torch.distributed.fsdp.fully_shard`` (torch 2.14), with the
+same names and the same state machine, one idea per module::
+
+    fully_shard(module)                   api.py: claims the parameters no nested call took,
+        |                                 swaps module.__class__ to FSDP<Class>(FSDPModule, ..)
+        v
+    FSDPModule  --- module._fsdp_state --> FSDPState                        fsdp_state.py
+    unshard() / reshard()                  forward pre/post hooks, pre-backward grad hooks,
+    set_requires_gradient_sync()           post-backward counting, root lazy init,
+                                           end-of-backward callback
+                                                |  .group
+                                                v
+                                           FSDPParamGroup                   fsdp_param_group.py
+                                           SHARDED <-> UNSHARDED; ONE all-gather (copy-in,
+                                           collective, copy-out) and ONE reduce-scatter
+                                           per group; resize_(0) frees, resize_(n) restores
+                                                |  .fsdp_params
+                                                v
+                                           FSDPParam  (one per parameter)  fsdp_param.py
+                                           torch.chunk rows -> padded shard; DTensor(Shard(0))
+                                           registered on the module(s); unsharded view
+
+Usage::
+
+    from minifsdp.fsdp2 import fully_shard, full_state_dict
+    mesh = init_device_mesh(device.type, (world_size,))
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.AdamW(model.parameters())   # DTensor shards
+    loss_fn(model(x), y).backward()               # all-gathers, reduce-scatters in hooks
+    opt.step()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)   # works on DTensor grads
+    sd = full_state_dict(model)                   # plain full tensors on every rank
+
+Notes to cite: [the tensors of one parameter], [dim-0 chunks], [padding], [who owns the
+shard's storage] (fsdp_param.py); [copy-in and copy-out], [freeing with resize_], [version
+counter], [FSDP2 memory categories], [accumulating without communication]
+(fsdp_param_group.py); [when is a group's backward over?] (fsdp_state.py); [bottom-up],
+[the class swap], [state dicts], [meta-device init] (api.py).
+"""
+
+from minifsdp.fsdp2.api import (
+    FSDPModule,
+    full_state_dict,
+    fully_shard,
+    load_full_state_dict,
+)
+from minifsdp.fsdp2.fsdp_param import FSDPParam, chunk_dim0
+from minifsdp.fsdp2.fsdp_param_group import FSDPParamGroup, ShardedState, TrainingState
+from minifsdp.fsdp2.fsdp_state import FSDPState
+
+__all__ = [
+    "FSDPModule", "FSDPParam", "FSDPParamGroup", "FSDPState", "ShardedState", "TrainingState",
+    "chunk_dim0", "full_state_dict", "fully_shard", "load_full_state_dict",
+]

@@ -1,0 +1,229 @@
+"""``fully_shard``: FSDP2's whole user interface, applied in place and bottom-up.
+
+    mesh = init_device_mesh("cpu", (world_size,))     # or "cuda"
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)                 # children first ...
+    fully_shard(model, mesh=mesh)                     # ... then the root takes the rest
+    opt = torch.optim.AdamW(model.parameters())       # the sharded DTensors
+    loss_fn(model(x), y).backward(); opt.step()       # hooks all-gather and reduce-scatter
+
+Note [bottom-up]: each call makes one parameter group of the parameters in its subtree that
+no earlier call has taken: a child's ``fully_shard`` claims the block's parameters, so the
+root's call gets only what is left (embeddings, final norm, head). Calling the root first
+would leave nothing for the children. Each group is one all-gather before its module's
+forward and one reduce-scatter after its backward, so the units are the granularity of
+memory (one block's parameters unsharded at a time) and of communication.
+
+Note [the class swap]: ``fully_shard`` returns the module it was given -- there is no
+wrapper, so names, ``state_dict`` keys and attribute access are unchanged (FSDP1's
+``_fsdp_wrapped_module.`` prefixes disappear). To give the module FSDP methods anyway
+(``unshard``, ``set_requires_gradient_sync``, ...), it swaps ``module.__class__`` for a new
+class ``FSDP<Class>(FSDPModule, Class)``, so ``isinstance(m, FSDPModule)`` tells a sharded
+module, and ``isinstance(m, Class)`` still holds.
+
+Note [state dicts]: ``model.state_dict()`` returns the registered parameters, which between
+steps are the sharded DTensors: a *sharded* state dict, made without communication (each
+rank saves its rows; DTensor records how to put them together). ``full_state_dict(model)``
+all-gathers each one (``DTensor.full_tensor()``) into plain tensors on every rank.
+``load_full_state_dict`` goes back without communication: every rank has the full tensors
+and keeps its own rows (``chunk_dim0``). ``model.load_state_dict`` of a sharded state dict
+copies DTensor into DTensor, local rows into local rows. (``assign=True`` would replace our
+parameter objects, which the optimizer and the group hold: refused after the load.)
+
+Note [meta-device init]: a model too big for one device can be built on the meta device
+(shapes, no memory), sharded, and only then materialized, a shard per rank::
+
+    with torch.device("meta"):
+        model = GPT(cfg)
+    ... fully_shard bottom-up ...
+    model.to_empty(device=device)                     # allocate the local shards, uninitialized
+    load_full_state_dict(model, full)                 # a: from a checkpoint / seeded full model
+    model.init_weights()  # or m.reset_parameters()   # b: initialize in place, per submodule
+
+(a) reproduces a non-meta run exactly (tests/workers/fsdp2_worker.py trains both and compares
+bit for bit). (b) runs the init functions on the DTensors: deterministic values (zeros, ones)
+come out exactly, but a random init draws each rank's *local* rows from its own generator, so
+the values differ from a one-process init with the same seed (DTensor's offset-based RNG that
+would make them agree needs a CUDA-like device).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor
+
+from minifsdp.fsdp2.fsdp_param import Owners, chunk_dim0
+from minifsdp.fsdp2.fsdp_param_group import FSDPParamGroup
+from minifsdp.fsdp2.fsdp_state import FSDPState
+
+
+class FSDPModule:
+    """Mixed into every ``fully_shard``-ed module's class (Note [the class swap]).
+
+    Example:
+        >>> isinstance(fully_shard(block, mesh=mesh), FSDPModule)   # doctest: +SKIP
+        True
+    """
+
+    def __new__(cls, *args, **kwargs):
+        # Containers build new instances of their own class (``nn.Sequential[1:]`` calls
+        # ``self.__class__(...)``): build the original class, which is not sharded.
+        orig_cls = cls.__mro__[2]  # FSDP<Class>, FSDPModule, Class
+        self = orig_cls.__new__(orig_cls)
+        self.__init__(*args, **kwargs)
+        return self
+
+    @property
+    def fsdp_state(self) -> FSDPState:
+        return self.__dict__["_fsdp_state"]
+
+    def unshard(self) -> None:
+        """All-gather this module's group now (not its children's)."""
+        if self.fsdp_state.group is not None:
+            self.fsdp_state.group.unshard()
+
+    def reshard(self) -> None:
+        """Free this module's unsharded parameters now, registering the shards again."""
+        if self.fsdp_state.group is not None:
+            self.fsdp_state.group.reshard()
+
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *,
+                                   recurse: bool = True) -> None:
+        """``False``: backward keeps full unsharded gradients and skips the reduce-scatter,
+        for gradient accumulation without communication (Note [accumulating without
+        communication] in ``fsdp_param_group.py``). Set ``True`` before the last backward."""
+        for group in self._groups(recurse):
+            group.reduce_grads = requires_gradient_sync
+
+    def set_reshard_after_backward(self, reshard_after_backward: bool, *,
+                                   recurse: bool = True) -> None:
+        """``False`` keeps the parameters unsharded after backward, so the next micro-batch's
+        forward needs no all-gather (at the unsharded parameters' memory). Only between the
+        backwards of one step: the optimizer updates the *shards*, so set it back to ``True``
+        before the step's last backward."""
+        for group in self._groups(recurse):
+            group.reshard_after_backward = reshard_after_backward
+
+    def set_reshard_after_forward(self, reshard_after_forward: bool, *,
+                                  recurse: bool = True) -> None:
+        """Change ``fully_shard``'s ``reshard_after_forward`` (the root's too)."""
+        for group in self._groups(recurse):
+            group.reshard_after_forward = reshard_after_forward
+
+    def _groups(self, recurse: bool) -> list[FSDPParamGroup]:
+        modules = self.modules() if recurse else [self]
+        states = [m.fsdp_state for m in modules if isinstance(m, FSDPModule)]
+        return [s.group for s in states if s.group is not None]
+
+
+_FSDP_CLASSES: dict[type, type] = {}  # Class -> FSDP<Class>, made once per class
+
+
+def fully_shard(module: nn.Module, *, mesh: DeviceMesh | None = None,
+                reshard_after_forward: bool | None = None) -> nn.Module:
+    """Shard ``module``'s parameters (those no nested ``fully_shard`` took) on dim 0 over
+    ``mesh`` as one group, install the hooks, and return the same module (Note [bottom-up]).
+
+    Args:
+        mesh: a 1-D ``DeviceMesh``; default: all ranks, on the default group's device type.
+        reshard_after_forward: free the unsharded parameters after forward and all-gather them
+            again in backward (memory for communication). ``None`` (torch 2.14's default):
+            True, except for the root, whose parameters backward needs first.
+
+    Parameters must already be on the mesh's device, or on ``meta`` (Note [meta-device
+    init]). Frozen parameters (``requires_grad=False``) are gathered with the rest but get
+    no gradient and no reduce-scatter.
+
+    Example (a world of one)::
+
+        >>> model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+        >>> _ = fully_shard(model[0]), fully_shard(model)
+        >>> type(model).__name__, type(model[1].weight).__name__, model[1].weight.shape
+        ('FSDPSequential', 'DTensor', torch.Size([2, 4]))
+    """
+    if isinstance(module, FSDPModule):
+        raise ValueError(f"fully_shard was already applied to this {type(module).__name__}; "
+                         "apply it once per module, children before parents")
+    if mesh is None:
+        device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
+        mesh = init_device_mesh(device_type, (dist.get_world_size(),))
+    if mesh.ndim != 1:
+        raise ValueError(f"minifsdp's fully_shard takes a 1-D mesh, got {mesh.ndim}-D (HSDP)")
+    params = _managed_params(module)
+    for p, owners in params:
+        if p.device.type not in (mesh.device_type, "meta"):
+            module_, name = owners[0]
+            raise ValueError(f"{type(module_).__name__}.{name} is on {p.device}, the mesh on "
+                             f"{mesh.device_type}: move the module to the device first")
+    group = FSDPParamGroup(params, mesh, reshard_after_forward,
+                           type(module).__name__) if params else None
+    module.__dict__["_fsdp_state"] = FSDPState(module, group)
+    cls = module.__class__
+    if cls not in _FSDP_CLASSES:
+        _FSDP_CLASSES[cls] = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {})
+    module.__class__ = _FSDP_CLASSES[cls]
+    return module
+
+
+def _managed_params(root: nn.Module) -> list[tuple[nn.Parameter, Owners]]:
+    """The parameters in ``root``'s subtree outside nested ``fully_shard`` modules, in
+    ``named_parameters`` order, each with every (module, name) that holds it."""
+    found: dict[nn.Parameter, Owners] = {}
+    seen: set[nn.Module] = set()
+
+    def visit(module: nn.Module) -> None:
+        if module in seen or (module is not root and isinstance(module, FSDPModule)):
+            return  # a module shared twice, or one a nested fully_shard manages
+        seen.add(module)
+        for name, p in module._parameters.items():
+            if p is None:
+                continue
+            if getattr(p, "_fsdp2_sharded", False) or isinstance(p, DTensor):
+                raise ValueError(
+                    f"{type(module).__name__}.{name} is shared with a module that an earlier "
+                    "fully_shard already sharded; shard the modules that share a parameter in "
+                    "one fully_shard call (e.g. on their common parent)")
+            found.setdefault(p, []).append((module, name))
+        for child in module.children():
+            visit(child)
+
+    visit(root)
+    return list(found.items())
+
+
+# ---- state dicts (Note [state dicts]) ---------------------------------------------------------
+
+def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """``model.state_dict()`` with every DTensor all-gathered into a plain full tensor, on
+    every rank (a collective: call it on all ranks).
+
+    Example::
+
+        sd = full_state_dict(model)      # {"blocks.0.ln1.weight": tensor of shape (C,), ...}
+    """
+    return {k: v.full_tensor() if isinstance(v, DTensor) else v
+            for k, v in model.state_dict().items()}
+
+
+def load_full_state_dict(model: nn.Module, full: dict[str, torch.Tensor], strict: bool = True):
+    """Load full (unsharded) tensors into a sharded model: each rank keeps its own rows of
+    each one, so nothing is communicated. Returns ``load_state_dict``'s result.
+
+    Example::
+
+        load_full_state_dict(model, torch.load("full.pt"))   # the same file on every rank
+    """
+    current = model.state_dict()
+    sharded = {}
+    for k, v in full.items():
+        cur = current.get(k)
+        if isinstance(cur, DTensor):
+            mesh = cur.device_mesh
+            rows = chunk_dim0(v.to(cur.device, cur.dtype), mesh.size())[mesh.get_local_rank()]
+            v = DTensor.from_local(rows, mesh, cur.placements, run_check=False,
+                                   shape=cur.shape, stride=cur.stride())
+        sharded[k] = v
+    return model.load_state_dict(sharded, strict=strict)

@@ -1,0 +1,212 @@
+"""``FSDPParam``: one parameter, sharded on dim 0 across a 1-D ``DeviceMesh``, as a DTensor.
+
+FSDP1 flattened a whole unit into one FlatParameter and cut *that*. FSDP2 cuts every
+parameter on its own, along its first dimension, and hands the module the cut as a
+``DTensor`` -- a tensor that knows its global shape and how it is split::
+
+    weight (10, 8) on 4 ranks:   rows 0-2 | rows 3-5 | rows 6-8 | row 9
+    rank 3's module holds:       DTensor(local (1, 8), shape (10, 8), placements [Shard(0)])
+
+So ``model.weight.shape`` is still ``(10, 8)`` on every rank, the optimizer steps the local
+rows in place, and ``model.state_dict()`` is a sharded checkpoint with no communication.
+
+Note [the tensors of one parameter] (torch: [Note: FSDP tensors] in ``_fsdp_param.py``):
+
+    original      the ``nn.Parameter`` the module had; dropped once it is sharded
+    padded shard  ``_sharded_data``, 1-D: this rank's rows, zero-padded to chunk 0's size;
+                  the all-gather input
+    sharded       ``sharded_param``: an ``nn.Parameter`` holding a DTensor whose local tensor
+                  is a view of the padded shard's first rows; registered on the module
+                  between iterations, seen by the optimizer, holds ``.grad``
+    unsharded     ``unsharded_param``: a plain ``nn.Parameter`` of the original shape, a view
+                  of ``_unsharded_data`` (N padded shards back to back); registered on the
+                  module while it computes; autograd accumulates its ``.grad``
+
+Note [dim-0 chunks]: rank r owns ``torch.chunk(param, N, dim=0)[r]``. ``torch.chunk`` makes
+chunks of ``ceil(d0 / N)`` rows, so the *last* chunks are short -- and when ``d0 < N`` there
+are fewer than N chunks at all (``torch.chunk`` of 2 rows in 3 gives 2 chunks). FSDP then
+gives the remaining ranks an *empty* shard (0 rows; the other dims kept). DTensor's
+``Shard(0)`` uses the same rule, so our local tensors are exactly what DTensor expects:
+
+    d0 = 10, N = 4:  3, 3, 3, 1         d0 = 2, N = 3:  1, 1, 0         d0 = 5, N = 4:  2, 2, 1, 0
+
+Note [padding]: a collective moves equal-sized pieces, so every rank pads its shard to chunk
+0's size. Only tail ranks are short, so when the N padded shards are laid back to back the
+padding is all at the *end*: the unsharded parameter is simply the first ``numel`` elements of
+that buffer, a view (``unsharded_param``), and a ``resize_`` of its storage frees or restores
+it whole (Note [freeing with resize_] in ``fsdp_param_group.py``). Padding once here, at
+init, means no padding work in the training loop.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
+
+# (module, attribute name) pairs that hold one parameter: more than one when it is shared,
+# e.g. tied embeddings (``head.weight is tok_emb.weight``).
+Owners = list[tuple[nn.Module, str]]
+
+
+def chunk_dim0(tensor: torch.Tensor, world_size: int) -> list[torch.Tensor]:
+    """``torch.chunk`` on dim 0, with empty chunks appended up to ``world_size`` (Note [dim-0
+    chunks]). Chunk r is rank r's rows; the chunks are views of ``tensor``.
+
+    Example:
+        >>> [tuple(c.shape) for c in chunk_dim0(torch.zeros(10, 8), 4)]
+        [(3, 8), (3, 8), (3, 8), (1, 8)]
+        >>> [tuple(c.shape) for c in chunk_dim0(torch.zeros(2, 8), 3)]
+        [(1, 8), (1, 8), (0, 8)]
+    """
+    chunks = list(torch.chunk(tensor, world_size, dim=0))
+    return chunks + [tensor.narrow(0, 0, 0)] * (world_size - len(chunks))
+
+
+def contiguous_stride(size: torch.Size) -> tuple[int, ...]:
+    """Row-major strides of ``size``, e.g. ``(10, 8) -> (8, 1)``."""
+    return tuple(math.prod(size[i + 1:]) for i in range(len(size)))
+
+
+class FSDPParam:
+    """One parameter of a ``fully_shard``-ed module, sharded on dim 0 over a 1-D ``mesh``.
+
+    Replaces the parameter on every owning module with ``sharded_param`` (a DTensor, Note
+    [the tensors of one parameter]) and keeps the buffers to rebuild the full parameter:
+    ``all_gather_input()`` (the padded shard, 1-D, ``padded_shard_numel`` elements) goes in,
+    ``alloc_unsharded()`` (1-D, ``N * padded_shard_numel``) is where the gathered rows go out.
+    The parameter group (``FSDPParamGroup``) runs the collectives for all its parameters.
+
+    Shapes for ``weight (10, 8)`` at N = 4, rank 3: ``sharded_size (1, 8)``,
+    ``padded_sharded_size (3, 8)``, ``padded_shard_numel 24``, unsharded buffer ``(96,)``
+    whose first 80 elements are ``unsharded_param (10, 8)``.
+
+    Example (a world of one, so the shard is everything):
+        >>> lin = nn.Linear(8, 10)
+        >>> p = FSDPParam(lin.weight, [(lin, "weight")], mesh)       # doctest: +SKIP
+        >>> lin.weight is p.sharded_param, lin.weight.placements     # doctest: +SKIP
+        (True, (Shard(dim=0),))
+    """
+
+    def __init__(self, param: nn.Parameter, owners: Owners, mesh: DeviceMesh):
+        if param.dim() == 0:
+            raise ValueError("fully_shard shards on dim 0: a 0-d parameter has none; make it "
+                             "1-d with one element")
+        if isinstance(param, DTensor):
+            raise ValueError("this parameter is already a DTensor (sharded by fully_shard or "
+                             "tensor parallelism); minifsdp shards plain tensors only")
+        if not param.is_contiguous():
+            raise NotImplementedError("fully_shard needs contiguous parameters")
+        self.owners, self.mesh = owners, mesh
+        self.rank, self.world_size = mesh.get_local_rank(), mesh.size()
+        self.orig_size = param.shape
+        self.orig_stride = contiguous_stride(param.shape)
+        with torch.no_grad():
+            chunks = chunk_dim0(param.detach(), self.world_size)
+            mine = chunks[self.rank]
+            self.sharded_size = mine.shape
+            self.padded_sharded_size = chunks[0].shape  # chunk 0 is never short
+            padded = param.new_zeros(self.padded_sharded_size)  # on "meta" stays on meta
+            padded[: mine.shape[0]].copy_(mine)
+        self.padded_shard_numel = padded.numel()
+        self._sharded_data = padded.view(-1)
+        self.sharded_param = nn.Parameter(self.to_sharded_dtensor(padded[: mine.shape[0]]),
+                                          requires_grad=param.requires_grad)
+        param._fsdp2_sharded = True  # a parent fully_shard must not shard it again
+        self._unsharded_data: torch.Tensor | None = None  # allocated at the first unshard
+        self.unsharded_param: nn.Parameter | None = None
+        self._set_on_owners(self.sharded_param)
+
+    # ---- the sharded side ------------------------------------------------------------------
+
+    def to_sharded_dtensor(self, local: torch.Tensor) -> DTensor:
+        """Wrap this rank's rows (shape ``sharded_size``) as a DTensor of the full shape.
+
+        ``shape`` and ``stride`` must be given: with uneven chunks DTensor cannot infer the
+        global shape from one rank's local tensor. Used for the parameter and its gradient.
+        """
+        with torch.no_grad():
+            return DTensor.from_local(local, self.mesh, [Shard(0)], run_check=False,
+                                      shape=self.orig_size, stride=self.orig_stride)
+
+    def all_gather_input(self) -> torch.Tensor:
+        """The padded shard, 1-D (``padded_shard_numel``), that this rank sends.
+
+        Note [who owns the shard's storage]: the local tensor must stay a view of
+        ``_sharded_data``, or the optimizer's in-place updates would never reach the
+        all-gather. ``nn.Module.to_empty`` / ``.to(device)`` break that: for a DTensor
+        parameter they *swap* a fresh local tensor in (``torch.utils.swap_tensors``, keeping
+        the ``Parameter`` object the optimizer holds). So before each all-gather we check,
+        and re-pad whatever local tensor the parameter now has (torch: ``reset_sharded_param``).
+        """
+        local = self.sharded_param._local_tensor
+        if local.is_meta or self._owns(local):
+            return self._sharded_data
+        with torch.no_grad():
+            padded = local.new_zeros(self.padded_sharded_size)
+            padded[: local.shape[0]].copy_(local)
+        self._sharded_data = padded.view(-1)
+        self.sharded_param._local_tensor = padded[: local.shape[0]]
+        return self._sharded_data
+
+    def _owns(self, local: torch.Tensor) -> bool:
+        """Is ``local`` a view of our padded shard (same device, same storage)?"""
+        mine = self._sharded_data
+        return (not mine.is_meta and local.device == mine.device
+                and local.untyped_storage().data_ptr() == mine.untyped_storage().data_ptr())
+
+    @property
+    def is_meta(self) -> bool:
+        return self.sharded_param._local_tensor.is_meta
+
+    # ---- the unsharded side ----------------------------------------------------------------
+
+    def alloc_unsharded(self) -> torch.Tensor:
+        """(Re-)allocate the unsharded buffer and return it, 1-D, ``N * padded_shard_numel``.
+
+        The first call creates ``unsharded_param`` (an ``nn.Parameter`` viewing the buffer's
+        first ``numel`` elements, Note [padding]); later calls only give the *same* storage
+        its bytes back, so every tensor that autograd saved from it is valid again.
+        """
+        local = self.sharded_param._local_tensor
+        if self._unsharded_data is None:
+            self._unsharded_data = local.new_empty(self.world_size * self.padded_shard_numel)
+            view = self._unsharded_data[: math.prod(self.orig_size)].view(self.orig_size)
+            self.unsharded_param = nn.Parameter(view, self.sharded_param.requires_grad)
+        else:
+            storage = self._unsharded_data.untyped_storage()
+            nbytes = self._unsharded_data.numel() * self._unsharded_data.element_size()
+            if storage.size() != nbytes:
+                storage.resize_(nbytes)
+            if self.unsharded_param.requires_grad != self.sharded_param.requires_grad:
+                self.unsharded_param.requires_grad_(self.sharded_param.requires_grad)
+        return self._unsharded_data
+
+    def free_unsharded(self) -> None:
+        """Give the unsharded buffer's bytes back; the tensor objects stay (size-0 storage)."""
+        if self._unsharded_data is not None:
+            self._unsharded_data.untyped_storage().resize_(0)
+
+    def to_unsharded(self) -> None:
+        """Register the (already all-gathered) unsharded parameter on its modules."""
+        self._set_on_owners(self.unsharded_param)
+
+    def to_sharded(self) -> None:
+        """Register the sharded DTensor parameter again and free the unsharded buffer."""
+        self._set_on_owners(self.sharded_param)
+        self.free_unsharded()
+
+    def _set_on_owners(self, param: nn.Parameter) -> None:
+        for module, name in self.owners:  # every module that shares it (tied weights)
+            setattr(module, name, param)
+
+    @property
+    def sharded_numel(self) -> int:
+        return math.prod(self.sharded_size)
+
+    def __repr__(self) -> str:
+        return (f"FSDPParam({tuple(self.orig_size)} -> rank {self.rank}/{self.world_size}: "
+                f"{tuple(self.sharded_size)}, padded {tuple(self.padded_sharded_size)})")

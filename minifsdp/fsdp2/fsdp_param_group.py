@@ -1,0 +1,279 @@
+"""``FSDPParamGroup``: the parameters of one ``fully_shard`` call, communicated together.
+
+Each parameter is sharded on its own (``FSDPParam``), but one collective per parameter would
+pay the per-call latency hundreds of times per step. So the parameters of one
+``fully_shard(module)`` form a group with ONE all-gather before the module computes and ONE
+reduce-scatter after its backward::
+
+    unshard:   padded shards --copy-in--> [rank 0 | rank 1 | ... ] --all-gather--> same buffer,
+               every slot filled --copy-out--> each parameter's unsharded buffer
+    backward:  unsharded grads --copy-in--> [rank 0 | rank 1 | ... ] --reduce-scatter (avg)-->
+               my slot --views--> each sharded parameter's .grad (a DTensor)
+
+A group is either ``SHARDED`` or ``UNSHARDED`` (``ShardedState``), and moves through
+``TrainingState`` IDLE -> FORWARD -> (IDLE) -> PRE_BACKWARD -> POST_BACKWARD -> IDLE in every
+step. ``FSDPState`` (``fsdp_state.py``) decides *when*; this module does the work.
+
+Note [copy-in and copy-out]: ``all_gather_into_tensor`` concatenates the ranks' inputs, so
+the gathered buffer is *rank-major*: rank 0's padded shards of every parameter, then rank
+1's, ... A parameter's rows are therefore spread over N places, and it cannot be a view of
+the group's buffer: ``_all_gather_copy_out`` copies each parameter's N pieces into its own
+buffer (one ``split_with_sizes_copy``), and the group buffer is freed at once. Gradients go
+the same way backwards: ``_reduce_scatter_copy_in`` lays each gradient's chunk r into slot r
+(``torch._chunk_cat``, which zero-pads short chunks exactly as Note [padding] in
+``fsdp_param.py``). These two copy-ins are single methods on purpose: mixed precision
+(chapter 07) casts right there -- the all-gather input to bf16, the gradients to the reduce
+dtype -- and prefetching (chapter 06) splits ``unshard`` into "issue the all-gather" and
+"wait, then copy out", with the copy-in on a stream of its own on GPUs.
+
+Note [freeing with resize_]: in forward, autograd *saves* tensors it needs for backward --
+for ``F.linear(x, w)`` the weight ``w`` itself, i.e. our unsharded parameter (or a view of
+it). To reshard after forward we must free that memory, yet backward will use the very
+tensor objects autograd saved. If we dropped them, the saved ones would keep the memory alive
+(nothing freed); if we made new ones at the next all-gather, autograd would still hold the
+old. The way out: keep the tensor objects forever and free only their *storage*:
+``untyped_storage().resize_(0)`` leaves every tensor and view in place with zero bytes
+behind them; ``resize_(nbytes)`` before the next all-gather gives the same storage bytes
+again, which the copy-out fills, and every saved view is valid once more. (Reading a saved
+tensor while its storage is empty would fail, which is why the pre-backward hook must
+unshard before the module's backward runs.)
+
+Note [version counter]: autograd also checks that a saved tensor was not modified in place
+since forward (its version counter). The copy-out *is* an in-place write into saved tensors
+-- deliberately, it restores the very values they had -- so it runs under
+``torch.autograd._unsafe_preserve_version_counter``, as torch's FSDP does.
+
+Note [FSDP2 memory categories]: what ``minifsdp.memory.MemoryTracker`` counts where.
+``params``: the padded shards (the DTensors' local tensors are views of them, padding
+included) and, while a group is unsharded, the unsharded buffers (tagged on re-allocation:
+they are parameters registered on the module). ``grads``: the reduce-scatter output -- the
+sharded ``.grad`` DTensors are views of it -- and the unsharded gradients that autograd
+accumulates before the reduce-scatter (tagged in the post-accumulate-grad hook,
+``fsdp_state.py``). ``comm``: the group's all-gather buffer and reduce-scatter input, which
+exist only around their collective.
+
+Note [GPUs]: nothing here is device-specific -- buffers are made with ``new_empty`` on the
+parameters' device, the collectives take the mesh's process group (NCCL on GPUs) -- but this
+has only been run on CPU/gloo. On GPUs a blocking NCCL call only makes the current stream wait
+for the collective, so copy-out, freeing and the next kernels are ordered on that stream, and
+c10d keeps a collective's tensors from being reused by the caching allocator before NCCL is
+done with them.
+Everything runs on the current stream: no overlap of communication with compute, which is
+chapter 06's (torch uses separate all-gather and reduce-scatter streams and events).
+
+Note [accumulating without communication]: ``set_requires_gradient_sync(False)`` (FSDP's
+``no_sync``) skips the reduce-scatter: each parameter keeps its *unsharded* gradient, and the
+next backward's autograd adds into it. The unsharded parameter is still freed after backward,
+but the gradients are full-size: accumulating this way costs DDP's gradient memory. The
+first backward with sync on reduce-scatters the sum.
+"""
+
+from __future__ import annotations
+
+from enum import Enum, auto
+
+import torch
+import torch.nn as nn
+from torch.distributed import ReduceOp
+from torch.distributed.device_mesh import DeviceMesh
+
+from minifsdp import comm
+from minifsdp.fsdp2.fsdp_param import FSDPParam, Owners
+from minifsdp.memory import tag
+
+
+class ShardedState(Enum):
+    """Which parameters the modules hold (torch also has ``SHARDED_POST_FORWARD``, for
+    ``reshard_after_forward=<int>``: reshard to a smaller group, e.g. within a node; we
+    implement only the two states that every FSDP needs)."""
+
+    SHARDED = auto()  # the sharded DTensors; unsharded storage freed
+    UNSHARDED = auto()  # the all-gathered plain tensors, ready to compute
+
+
+class TrainingState(Enum):
+    """Where in the step a group (or an ``FSDPState``) is."""
+
+    IDLE = auto()
+    FORWARD = auto()
+    PRE_BACKWARD = auto()  # unsharded for backward, grads not yet reduced
+    POST_BACKWARD = auto()  # grads reduce-scattered (or kept, without sync)
+
+
+class FSDPParamGroup:
+    """All parameters of one ``fully_shard`` call: one all-gather, one reduce-scatter.
+
+    Args:
+        params: ``[(parameter, owners), ...]`` in the order of their buffer slots.
+        mesh: the 1-D data-parallel ``DeviceMesh``.
+        reshard_after_forward: free the unsharded parameters after forward (and all-gather
+            again in backward); ``None``: decided at lazy init, True except for the root.
+        name: for communication tags, e.g. ``"blocks.0"`` (set at lazy init).
+
+    Example (inside a torchrun worker, N ranks)::
+
+        group = FSDPParamGroup([(lin.weight, [(lin, "weight")])], mesh, True, "lin")
+        group.unshard()     # lin.weight is now the full (out, in) tensor
+        group.reshard()     # lin.weight is the DTensor shard again
+    """
+
+    def __init__(self, params: list[tuple[nn.Parameter, Owners]], mesh: DeviceMesh,
+                 reshard_after_forward: bool | None, name: str):
+        if len({p.dtype for p, _ in params}) > 1:
+            raise ValueError("one group gathers its parameters in one flat buffer: they must "
+                             "share a dtype (mixed precision is a later chapter)")
+        self.fsdp_params = [FSDPParam(p, owners, mesh) for p, owners in params]
+        self.mesh, self.process_group = mesh, mesh.get_group()
+        self.rank, self.world_size = mesh.get_local_rank(), mesh.size()
+        self.reshard_after_forward, self.name = reshard_after_forward, name
+        self.sharded_state = ShardedState.SHARDED
+        self.training_state = TrainingState.IDLE
+        self.reduce_grads = True  # set_requires_gradient_sync
+        self.reshard_after_backward = True
+
+    def lazy_init(self, is_root: bool) -> None:
+        """At the root's first forward: the root keeps its parameters after forward (backward
+        needs them first thing); refuse parameters still on the meta device."""
+        if self.reshard_after_forward is None:
+            self.reshard_after_forward = not is_root
+        meta = [p for p in self.fsdp_params if p.is_meta]
+        if meta:
+            raise RuntimeError(
+                f"fully_shard: {len(meta)} parameter(s) of {self.name!r} are still on the meta "
+                "device. Materialize them first: model.to_empty(device=...), then initialize "
+                "(load_full_state_dict, or reset_parameters() on each submodule).")
+
+    # ---- unshard: all-gather -----------------------------------------------------------------
+
+    def unshard(self) -> None:
+        """All-gather the group: afterwards the modules hold full, plain parameters."""
+        if self.sharded_state is ShardedState.UNSHARDED:
+            return
+        my_slot, gathered = self._all_gather_copy_in()
+        comm.all_gather_into_tensor(gathered, my_slot, self.process_group,
+                                    tag=f"fsdp2 params {self.name}")
+        self._all_gather_copy_out(gathered)
+        for p in self.fsdp_params:
+            p.to_unsharded()
+        self.sharded_state = ShardedState.UNSHARDED
+
+    @torch.no_grad()
+    def _all_gather_copy_in(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Allocate the group buffer ``(N * S,)``, S = the padded shards' total numel, and copy
+        this rank's padded shards into its slot r. Returns ``(slot r, buffer)``: the slot is a
+        view of the buffer, so the all-gather needs no separate input. (Mixed precision will
+        cast here: Note [copy-in and copy-out].)"""
+        inputs = [p.all_gather_input() for p in self.fsdp_params]
+        slot_numel = sum(t.numel() for t in inputs)
+        gathered = inputs[0].new_empty(self.world_size * slot_numel)
+        tag(gathered, "comm")
+        my_slot = gathered.narrow(0, self.rank * slot_numel, slot_numel)
+        for dst, src in zip(my_slot.split([t.numel() for t in inputs]), inputs):
+            dst.copy_(src)
+        return my_slot, gathered
+
+    @torch.no_grad()
+    def _all_gather_copy_out(self, gathered: torch.Tensor) -> None:
+        """Copy each parameter's N padded pieces from the rank-major buffer into its own
+        unsharded buffer (Notes [copy-in and copy-out], [freeing with resize_], [version
+        counter]). ``gathered.view(N, S)`` row r is rank r's slot; column block i is
+        parameter i."""
+        outs = []
+        for p in self.fsdp_params:
+            buf = p.alloc_unsharded()
+            tag(buf, "params")
+            outs.append(buf.view(self.world_size, -1))
+        sizes = [p.padded_shard_numel for p in self.fsdp_params]
+        with torch.autograd._unsafe_preserve_version_counter(tuple(outs)):
+            torch.split_with_sizes_copy(gathered.view(self.world_size, -1), sizes, dim=1,
+                                        out=outs)
+
+    def reshard(self) -> None:
+        """Register the sharded DTensors again and free the unsharded storage."""
+        if self.sharded_state is ShardedState.SHARDED:
+            return
+        for p in self.fsdp_params:
+            p.to_sharded()
+        self.sharded_state = ShardedState.SHARDED
+
+    # ---- the step's transitions (called by FSDPState's hooks) -------------------------------
+
+    def pre_forward(self) -> None:
+        self.training_state = TrainingState.FORWARD
+        self.unshard()
+
+    def post_forward(self) -> None:
+        if self.reshard_after_forward:
+            self.reshard()
+        self.training_state = TrainingState.IDLE
+
+    def pre_backward(self) -> None:
+        if self.training_state is not TrainingState.PRE_BACKWARD:
+            self.training_state = TrainingState.PRE_BACKWARD
+            self.unshard()  # a no-op unless resharded after forward
+
+    @torch.no_grad()
+    def post_backward(self) -> None:
+        """The group's backward is over: reshard, reduce-scatter the unsharded gradients into
+        the sharded ``.grad`` (or keep them, Note [accumulating without communication])."""
+        self.training_state = TrainingState.POST_BACKWARD
+        with_grad = [p for p in self.fsdp_params
+                     if p.unsharded_param is not None and p.unsharded_param.grad is not None]
+        if not self.reduce_grads:
+            if self.reshard_after_backward:
+                self.reshard()
+            return
+        grads = [p.unsharded_param.grad for p in with_grad]
+        for p in with_grad:
+            p.unsharded_param.grad = None  # `grads` holds the only references now
+        if self.reshard_after_backward:
+            self.reshard()  # before the copy-in: params and the buffer need not coexist
+        if with_grad:
+            self._reduce_scatter(with_grad, grads)
+
+    def finalize_backward(self) -> None:
+        """End of backward (the root's callback): run ``post_backward`` if it did not run."""
+        if self.training_state is not TrainingState.POST_BACKWARD:
+            self.post_backward()
+        self.training_state = TrainingState.IDLE
+
+    # ---- reduce-scatter ------------------------------------------------------------------------
+
+    def _reduce_scatter(self, params: list[FSDPParam], grads: list[torch.Tensor]) -> None:
+        """Average the gradients over ranks, keeping this rank's rows of each as the sharded
+        parameter's ``.grad`` (a DTensor viewing the output), or adding into it."""
+        flat = self._reduce_scatter_copy_in(params, grads)
+        grads.clear()  # the unsharded gradients die here
+        out = flat.new_empty(flat.numel() // self.world_size)
+        tag(out, "grads")
+        # AVG like torch for fp32/bf16 (the collective divides; SUM at N = 1, where NCCL's AVG
+        # has been unreliable)
+        op = ReduceOp.AVG if self.world_size > 1 else ReduceOp.SUM
+        comm.reduce_scatter_tensor(out, flat, op, self.process_group,
+                                   tag=f"fsdp2 grads {self.name}")
+        del flat
+        offset = 0
+        for p in params:
+            mine = out[offset: offset + p.sharded_numel].view(p.sharded_size)
+            offset += p.padded_shard_numel  # skip this parameter's padding
+            if p.sharded_param.grad is None:
+                p.sharded_param.grad = p.to_sharded_dtensor(mine)
+            else:  # gradient accumulation over several backwards
+                p.sharded_param.grad._local_tensor.add_(mine)
+
+    @torch.no_grad()
+    def _reduce_scatter_copy_in(self, params: list[FSDPParam],
+                                grads: list[torch.Tensor]) -> torch.Tensor:
+        """The gradients in rank-major order, ``(N * S,)``: slot r holds chunk r of every
+        gradient, each zero-padded to its padded shard size (S = their sum). (The reduce
+        dtype's cast goes here: Note [copy-in and copy-out].)"""
+        slot_numel = sum(p.padded_shard_numel for p in params)
+        flat = grads[0].new_empty(self.world_size * slot_numel)
+        tag(flat, "comm")
+        torch._chunk_cat(grads, dim=0, num_chunks=self.world_size,
+                         out=flat.view(self.world_size, slot_numel))
+        return flat
+
+    def __repr__(self) -> str:
+        return (f"FSDPParamGroup({self.name!r}, {len(self.fsdp_params)} params, "
+                f"{self.sharded_state.name}, {self.training_state.name})")

@@ -1,0 +1,214 @@
+"""``FSDPState``: the hooks that drive one ``fully_shard``-ed module's group through a step.
+
+FSDP2 changes no module's ``forward``; everything happens in hooks::
+
+    forward pre-hook    root: lazy init (first call).  unshard (all-gather).
+                        wrap the inputs in a post-backward barrier (below)
+    forward post-hook   reshard if reshard_after_forward.  hook the outputs: pre-backward
+    output grad hook    = pre-backward: unshard again (the group's backward is next);
+                        the first one also queues the end-of-backward callback
+    group's backward    = post-backward (below): reshard, reduce-scatter the gradients
+    end of backward     finalize every group (post-backward where it has not run), reset
+
+Note [when is a group's backward over?]: the post-backward may free the unsharded
+parameters, so it must wait for every backward node that uses them. Those nodes compute
+gradients of (a) the group's trainable parameters or (b) its forward inputs -- anything else
+they compute flows into (a) or (b) (unless a tensor reaches the module other than through
+its arguments, e.g. as an attribute: not covered). So the group is done when both happened:
+  (a) every trainable unsharded parameter's gradient has been accumulated: a
+      post-accumulate-grad hook on each (it runs once per backward, after all of the
+      parameter's uses are summed);
+  (b) the gradient w.r.t. the forward inputs is complete: the inputs go through
+      ``_PostBackwardBarrier``, an identity autograd Function whose backward runs exactly
+      then -- after every node of the module between its inputs and outputs.
+A counter of outstanding events (one per trainable parameter, one per barrier) runs
+post-backward when it reaches zero. torch uses (b) alone (``RegisterPostBackwardFunction``),
+relying on autograd running parameters' accumulate-grad nodes first; (a) alone is not
+enough: a frozen layer at the start of a group still needs its weight for the input's
+gradient after every trainable parameter is done. The barrier also orders things well: its
+backward (block i's reshard) runs before the grad hook on block i's input, which is block
+i-1's output (its pre-backward unshard), so two blocks are never unsharded at once.
+If an event never comes -- a parameter unused in this backward, inputs that need no grad and
+no trainable parameter, a forward whose graph was dropped -- the counter stays above zero
+and the end-of-backward callback does the work. Counting can only err upwards (late, never
+early), so this fallback makes it safe.
+
+Not handled (torch does): activation checkpointing's recomputed forward inside backward,
+``register_fsdp_forward_method`` for methods other than ``forward``, moving the inputs to
+the device, and several roots sharing one backward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch.autograd import Variable
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from minifsdp.fsdp2.fsdp_param_group import FSDPParamGroup, TrainingState
+from minifsdp.memory import tag
+
+
+@dataclass
+class _RootContext:
+    """Shared by every state under one root (set at the root's lazy init)."""
+
+    states: list[FSDPState] = field(default_factory=list)  # named_modules order, root first
+    callback_queued: bool = False
+
+
+class FSDPState:
+    """The hooks of one ``fully_shard``-ed module and its parameter group (``None`` when the
+    module manages no parameters of its own, e.g. a root whose children hold them all).
+
+    Example (what ``fully_shard`` does)::
+
+        state = FSDPState(module, FSDPParamGroup(params, mesh, None, "block"))
+        module.__dict__["_fsdp_state"] = state
+    """
+
+    def __init__(self, module: nn.Module, group: FSDPParamGroup | None):
+        self.module, self.group = module, group
+        self.is_root: bool | None = None  # decided at the first forward (lazy init)
+        self.ctx = _RootContext()
+        self.training_state = TrainingState.IDLE
+        self._pending = 0  # backward events before post-backward may run (Note above)
+        self._params_counted = False  # this backward's parameter events are in _pending
+        self._hooked: set[int] = set()  # ids of unsharded params with our grad hook
+        module.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True)
+        module.register_forward_hook(self._post_forward)
+        # a state dict holds the sharded DTensors: reshard first (e.g. after an eval
+        # forward, where the root keeps its unsharded parameters)
+        module.register_state_dict_pre_hook(lambda *_: self._reshard())
+        module.register_load_state_dict_pre_hook(lambda *_: self._reshard())
+        module.register_load_state_dict_post_hook(self._check_loaded_in_place)
+
+    def _reshard(self) -> None:
+        if self.group is not None:
+            self.group.reshard()
+
+    def _check_loaded_in_place(self, module: nn.Module, incompatible_keys: Any) -> None:
+        for p in self.group.fsdp_params if self.group is not None else []:
+            if any(getattr(m, name) is not p.sharded_param for m, name in p.owners):
+                raise RuntimeError("load_state_dict(assign=True) replaced a sharded parameter; "
+                                   "load into the existing shards (assign=False)")
+
+    # ---- lazy init ---------------------------------------------------------------------------
+
+    def _lazy_init(self) -> None:
+        """The first state to run forward is the root: it finds every state below it, shares
+        its context with them and initializes their groups."""
+        self.is_root = True
+        for name, module in self.module.named_modules():
+            state = module.__dict__.get("_fsdp_state")
+            if state is None:
+                continue
+            if state is not self:
+                if state.is_root is not None:
+                    raise RuntimeError(f"fully_shard: {name!r} ran forward before the root "
+                                       "module; run forward through the root first")
+                state.is_root, state.ctx = False, self.ctx
+            self.ctx.states.append(state)
+            if state.group is not None:
+                state.group.name = name or "root"
+                state.group.lazy_init(is_root=state is self)
+
+    # ---- forward -----------------------------------------------------------------------------
+
+    def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        if self.is_root is None:
+            self._lazy_init()
+        self.training_state = TrainingState.FORWARD
+        if self.group is not None:
+            self.group.pre_forward()
+            if torch.is_grad_enabled():
+                args, kwargs = self._register_post_backward(args, kwargs)
+        return args, kwargs
+
+    def _post_forward(self, module: nn.Module, args: tuple, output: Any) -> Any:
+        if self.group is not None:
+            self.group.post_forward()
+        if torch.is_grad_enabled():
+            for t in _tensors_requiring_grad(output):
+                t.register_hook(self._pre_backward)
+        self.training_state = TrainingState.IDLE
+        return output
+
+    # ---- backward ----------------------------------------------------------------------------
+
+    def _pre_backward(self, grad: torch.Tensor) -> None:
+        """Grad hook on the module's outputs: its backward is about to run."""
+        self._queue_end_of_backward()
+        if self.training_state is not TrainingState.PRE_BACKWARD:
+            self.training_state = TrainingState.PRE_BACKWARD
+            if self.group is not None:
+                self.group.pre_backward()
+
+    def _register_post_backward(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """Count this forward's backward events (Note [when is a group's backward over?])."""
+        if not self._params_counted:
+            self._params_counted = True
+            for p in self.group.fsdp_params:
+                u = p.unsharded_param
+                if u.requires_grad:
+                    self._pending += 1
+                    if id(u) not in self._hooked:  # the same object every step
+                        self._hooked.add(id(u))
+                        u.register_post_accumulate_grad_hook(self._on_param_grad)
+        leaves, spec = tree_flatten((args, kwargs))
+        needs_grad = [i for i, x in enumerate(leaves)
+                      if isinstance(x, torch.Tensor) and x.requires_grad]
+        if needs_grad:
+            self._pending += 1
+            outs = _PostBackwardBarrier.apply(self, *(leaves[i] for i in needs_grad))
+            for i, out in zip(needs_grad, outs):
+                leaves[i] = out
+            args, kwargs = tree_unflatten(leaves, spec)
+        return args, kwargs
+
+    def _on_param_grad(self, param: torch.Tensor) -> None:
+        tag(param.grad, "grads")  # Note [FSDP2 memory categories]
+        self._backward_event()
+
+    def _backward_event(self) -> None:
+        self._pending -= 1
+        if self._pending == 0 and self.group.training_state is not TrainingState.POST_BACKWARD:
+            self.group.post_backward()
+
+    def _queue_end_of_backward(self) -> None:
+        """Once per backward: run ``_end_of_backward`` when autograd's engine is done."""
+        if not self.ctx.callback_queued:
+            self.ctx.callback_queued = True
+            Variable._execution_engine.queue_callback(self._end_of_backward)
+
+    def _end_of_backward(self) -> None:
+        """Finalize every group under the root, in the same order on every rank (their
+        reduce-scatters are collectives), and reset the per-step state."""
+        for state in self.ctx.states:
+            if state.group is not None:
+                state.group.finalize_backward()
+            state.training_state = TrainingState.IDLE
+            state._pending, state._params_counted = 0, False
+        self.ctx.callback_queued = False
+
+
+class _PostBackwardBarrier(torch.autograd.Function):
+    """Identity on the forward inputs; its backward tells the state that the gradient w.r.t.
+    the inputs is complete (Note [when is a group's backward over?])."""
+
+    @staticmethod
+    def forward(ctx, state: FSDPState, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.state = state
+        return inputs  # autograd hands out new tensors (aliases) with this node as grad_fn
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        ctx.state._backward_event()
+        return (None, *grads)
+
+
+def _tensors_requiring_grad(tree: Any) -> list[torch.Tensor]:
+    return [t for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor) and t.requires_grad]

@@ -1,0 +1,281 @@
+"""Worker for tests/test_fsdp2.py: ``minifsdp.fsdp2`` on what ``minifsdp.train`` does not reach.
+Run at N = 2 and N = 3; reports raw numbers, the test asserts on them.
+
+Each training case trains the same small net three ways on the same batches: with our
+``fully_shard``, with torch's ``fully_shard`` (same units, same options) and as one plain
+process that runs the N ranks' local batches as micro-batches (each loss / N, gradients
+accumulated: Note [bitwise parity] in minifsdp/train.py). The net mixes what FSDP2 must
+handle: a unit whose *first* layer is frozen (its weight is still needed for the input's
+gradient after every trainable parameter of the unit is done), parameters with fewer rows
+than ranks (empty shards: ``narrow`` has 2 rows, ``scale`` 1 element), uneven rows, and a
+parameter that is never used (its group's post-backward runs in the end-of-backward
+callback). Further cases: meta-device init of the tied-embedding GPT, state dicts, errors.
+"""
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard as torch_fully_shard
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.debug import CommDebugMode
+
+from minifsdp import comm, fsdp2
+from minifsdp.dist import dist_setup, finish
+from minifsdp.models import GPT, GPTConfig
+
+info = dist_setup()
+rank, N = info.rank, info.world_size
+mesh = init_device_mesh(info.device.type, (N,))
+STEPS, LOCAL = 3, 4
+
+
+class Net(nn.Module):
+    """``(B, 8) -> (B, 3)``. Units: ``mid`` (frozen Linear, then a trainable one) and
+    ``narrow`` (2 rows); the root keeps ``inp``, ``head``, ``scale`` and ``unused``."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(8, 16)
+        self.mid = nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 16))
+        self.narrow = nn.Linear(16, 2)
+        self.head = nn.Linear(2, 3)
+        self.scale = nn.Parameter(torch.ones(1))
+        self.unused = nn.Linear(3, 3)
+        self.mid[0].requires_grad_(False)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.narrow(self.mid(torch.tanh(self.inp(x)))))) * self.scale
+
+
+def net() -> Net:
+    torch.manual_seed(0)
+    return Net().to(info.device)
+
+
+def shard(model: nn.Module, fully_shard, **kw) -> nn.Module:
+    fully_shard(model.mid, mesh=mesh, **kw)
+    fully_shard(model.narrow, mesh=mesh, **kw)
+    return fully_shard(model, mesh=mesh, **kw)
+
+
+def batch(step: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The global batch of one micro-step, the same on every rank."""
+    g = torch.Generator().manual_seed(1000 * step + micro)
+    x, y = torch.randn(N * LOCAL, 8, generator=g), torch.randint(0, 3, (N * LOCAL,), generator=g)
+    return x.to(info.device), y.to(info.device)
+
+
+def full_params(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone()
+            for k, v in model.named_parameters()}
+
+
+def train(model, opt, sharded: bool, micro: int = 1, no_sync: bool = False,
+          clip: float | None = None, keep_unsharded: bool = False,
+          ) -> tuple[list[float], list[float], dict[str, bool]]:
+    """STEPS steps; sharded: this rank's rows, else every rank's as micro-batches. Returns
+    the losses, the clipped norms and which parameters had a gradient at the last step."""
+    losses, norms = [], []
+    for step in range(STEPS):
+        for m in range(micro):
+            x, y = batch(step, m)
+            if sharded:
+                last = m == micro - 1
+                if no_sync:  # sync only on the step's last micro-batch
+                    model.set_requires_gradient_sync(last)
+                if keep_unsharded:  # no all-gather before the next micro-batch's forward
+                    model.set_reshard_after_backward(last)
+                loss = F.cross_entropy(model(x.chunk(N)[rank]), y.chunk(N)[rank])
+                (loss / micro).backward()
+                losses.append(loss.item())
+            else:
+                for q in range(N):
+                    loss = F.cross_entropy(model(x.chunk(N)[q]), y.chunk(N)[q])
+                    (loss / (N * micro)).backward()
+                    if q == rank:
+                        losses.append(loss.item())
+        if clip is not None:
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+            norms.append(float(norm.full_tensor() if isinstance(norm, DTensor) else norm))
+        has_grad = {k: p.grad is not None for k, p in model.named_parameters()}
+        opt.step()
+        opt.zero_grad()
+    return losses, norms, has_grad
+
+
+def diff(a: dict, b: dict) -> float:
+    return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+
+def run_case(kw: dict, micro: int = 1, no_sync: bool = False, clip: float | None = None,
+             keep_unsharded: bool = False):
+    out = {}
+    models = {"ours": shard(net(), fsdp2.fully_shard, **kw),
+              "torch": shard(net(), torch_fully_shard, **kw), "single": net()}
+    init = full_params(models["single"])
+    for name, model in models.items():
+        opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+        with comm.logging_comm() as log:
+            losses, norms, has_grad = train(model, opt, name != "single", micro, no_sync, clip,
+                                            keep_unsharded)
+        out[name] = {"losses": losses, "norms": norms, "params": full_params(model),
+                     "has_grad": has_grad}
+        if name == "ours":
+            out["comm"] = {op: s["calls"] for op, s in log.summary().items()}
+    ours, theirs, single = (out[k]["params"] for k in ("ours", "torch", "single"))
+    moved = {k: float((single[k] - init[k]).abs().max()) for k in init}
+    return {
+        "ours_vs_torch": diff(ours, theirs), "ours_vs_single": diff(ours, single),
+        "torch_vs_single": diff(theirs, single),
+        "bitwise_torch": all(torch.equal(ours[k], theirs[k]) for k in ours),
+        "bitwise_single": all(torch.equal(ours[k], single[k]) for k in ours),
+        "losses": {k: out[k]["losses"] for k in models},
+        "norms": {k: out[k]["norms"] for k in models},
+        "has_grad": {k: out[k]["has_grad"] for k in models}, "moved": moved,
+        "comm": out["comm"],
+    }
+
+
+def local_shapes() -> dict:
+    model = shard(net(), fsdp2.fully_shard)
+    return {k: [list(p.to_local().shape), list(p.shape), str(p.placements)]
+            for k, p in model.named_parameters()}
+
+
+def gpt(device=None) -> GPT:
+    torch.manual_seed(0)
+    with torch.device(device or info.device):
+        return GPT(GPTConfig(vocab_size=64, seq_len=16, n_layer=2, n_head=4, d_model=32,
+                             tie_embeddings=True))
+
+
+def shard_gpt(model: GPT) -> GPT:
+    for block in model.blocks:
+        fsdp2.fully_shard(block, mesh=mesh)
+    return fsdp2.fully_shard(model, mesh=mesh)
+
+
+def train_gpt(model: GPT) -> list[float]:
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = []
+    for step in range(STEPS):
+        g = torch.Generator().manual_seed(step)
+        x, y = (torch.randint(0, 64, (N * LOCAL, 16), generator=g).chunk(N)[rank]
+                for _ in range(2))
+        loss = F.cross_entropy(model(x.to(info.device)).flatten(0, 1), y.to(info.device).flatten())
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def meta_init() -> dict:
+    """(a) meta -> shard -> to_empty -> load a seeded full model's weights: must train exactly
+    like the same model sharded straight away. (b) ... -> init_weights(): deterministic
+    values exact, random ones with GPT-2's std."""
+    full = gpt().state_dict()
+    direct = shard_gpt(gpt())
+    with torch.device("meta"):
+        meta = GPT(GPTConfig(vocab_size=64, seq_len=16, n_layer=2, n_head=4, d_model=32,
+                             tie_embeddings=True))
+    shard_gpt(meta)
+    on_meta = all(p.is_meta for p in meta.parameters())
+    meta.to_empty(device=info.device)
+    fsdp2.load_full_state_dict(meta, full)
+    tied = meta.head.weight is meta.tok_emb.weight
+    losses = {"direct": train_gpt(direct), "meta": train_gpt(meta)}
+    a, b = fsdp2.full_state_dict(direct), fsdp2.full_state_dict(meta)
+    with torch.device("meta"):
+        fresh = GPT(GPTConfig(vocab_size=64, seq_len=16, n_layer=2, n_head=4, d_model=32))
+    shard_gpt(fresh)
+    fresh.to_empty(device=info.device)
+    fresh.init_weights()  # on the DTensor shards
+    sd = fsdp2.full_state_dict(fresh)
+    train_gpt(fresh)  # trains (its local tensors were re-padded before the first all-gather)
+    return {
+        "on_meta": on_meta, "tied": tied, "losses": losses,
+        "bitwise": all(torch.equal(a[k], b[k]) for k in a),
+        "ln_ones": all(bool((v == 1).all()) for k, v in sd.items() if ".ln" in k and "weight" in k),
+        "bias_zeros": all(bool((v == 0).all()) for k, v in sd.items() if k.endswith("bias")),
+        "emb_std": float(sd["tok_emb.weight"].std()),
+        "finite_after_training": all(bool(p.full_tensor().isfinite().all())
+                                     for p in fresh.parameters()),
+    }
+
+
+def state_dicts() -> dict:
+    model = shard(net(), fsdp2.fully_shard)
+    train(model, torch.optim.Adam(model.parameters(), lr=1e-2), sharded=True)
+    model(batch(0, 0)[0].chunk(N)[rank])  # an extra forward: the root stays unsharded
+    with comm.logging_comm() as log, CommDebugMode() as debug:
+        sd = model.state_dict()
+    counts = (len(log.comms()), debug.get_total_counts())
+    with CommDebugMode() as debug:
+        full = fsdp2.full_state_dict(model)
+    full_counts = debug.get_total_counts()
+    saved = {k: v.detach().clone() for k, v in full.items()}
+    sharded = {k: v.detach().clone() for k, v in sd.items()}
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    fsdp2.load_full_state_dict(model, saved)
+    after_full = fsdp2.full_state_dict(model)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    model.load_state_dict(sharded)
+    after_sharded = fsdp2.full_state_dict(model)
+    # the loaded values must reach the all-gather: one more step, compared with a copy
+    model2 = shard(net(), fsdp2.fully_shard)
+    fsdp2.load_full_state_dict(model2, saved)
+    for m in (model, model2):
+        train(m, torch.optim.SGD(m.parameters(), lr=0.1), sharded=True)
+    return {
+        "comm_during_state_dict": counts, "comm_during_full": full_counts,
+        "all_dtensor": all(isinstance(v, DTensor) for v in sd.values()),
+        "local_numel": sum(v.to_local().numel() for v in sd.values()),
+        "full_numel": sum(v.numel() for v in full.values()),
+        "full_plain": all(type(v) is torch.Tensor for v in full.values()),
+        "full_round_trip": all(torch.equal(after_full[k], saved[k]) for k in saved),
+        "sharded_round_trip": all(torch.equal(after_sharded[k], saved[k]) for k in saved),
+        "trained_alike": all(torch.equal(a, b) for a, b in zip(
+            full_params(model).values(), full_params(model2).values())),
+    }
+
+
+def errors() -> dict:
+    out = {}
+    model = shard(net(), fsdp2.fully_shard)
+    try:
+        fsdp2.fully_shard(model.mid, mesh=mesh)
+    except ValueError as e:
+        out["twice"] = str(e)
+    tied = nn.ModuleDict({"a": nn.Linear(4, 4), "b": nn.Linear(4, 4)}).to(info.device)
+    tied["b"].weight = tied["a"].weight
+    fsdp2.fully_shard(tied["b"], mesh=mesh)  # shards the weight in b; a still holds it
+    try:
+        fsdp2.fully_shard(tied, mesh=mesh)
+    except ValueError as e:
+        out["shared"] = str(e)
+    return out
+
+
+out = {
+    "rank": rank, "world_size": N,
+    "cases": {
+        "basic": run_case({}),
+        "no_reshard_after_forward": run_case({"reshard_after_forward": False}),
+        "accumulate": run_case({}, micro=2),
+        "accumulate_no_sync": run_case({}, micro=2, no_sync=True),
+        "accumulate_no_sync_no_reshard": run_case({}, micro=2, no_sync=True,
+                                                  keep_unsharded=True),
+        "clip": run_case({}, clip=0.05),
+    },
+    "local_shapes": local_shapes(),
+    "meta": meta_init(),
+    "state_dict": state_dicts(),
+    "errors": errors(),
+}
+finish(out)
