@@ -19,40 +19,27 @@ implementations under the same conditions.
 from __future__ import annotations
 
 import argparse
-import os
-import statistics
-import time
+
+import harness
 
 STRATEGIES = ("torch_ddp", "bucketed_ddp", "ddp")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
-    p.add_argument("--steps", type=int, default=4, help="timed steps per strategy per round")
-    p.add_argument("--rounds", type=int, default=10)
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--batch", type=int, default=2, help="sequences per rank")
-    p.add_argument("--n-layer", type=int, default=4)
-    p.add_argument("--d-model", type=int, default=256)
-    p.add_argument("--seq-len", type=int, default=64)
-    p.add_argument("--bucket-cap-mb", type=float, default=25.0)
-    return p.parse_args(argv)
+    return harness.parse_args(__doc__, lambda p: p.add_argument(
+        "--bucket-cap-mb", type=float, default=25.0), argv)
 
 
 def worker(args: argparse.Namespace) -> None:
     import torch
-    import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
     from minifsdp.ddp import BucketedDDP, NaiveDDP
     from minifsdp.dist import dist_setup, finish, seed_everything
-    from minifsdp.models import GPT, GPTConfig, count_params
-    from minifsdp.train import loss_fn
+    from minifsdp.models import GPT, count_params
 
     info = dist_setup()
-    cfg = GPTConfig(vocab_size=256, seq_len=args.seq_len, n_layer=args.n_layer,
-                    n_head=max(1, args.d_model // 64), d_model=args.d_model)
+    cfg, x, y = harness.gpt_and_batch(args, info)
     ids = [info.device.index] if info.device.type == "cuda" else None
     wrap = {"torch_ddp": lambda m: DistributedDataParallel(m, device_ids=ids,
                                                           bucket_cap_mb=args.bucket_cap_mb),
@@ -63,51 +50,16 @@ def worker(args: argparse.Namespace) -> None:
         seed_everything(0)
         models[name] = wrap[name](GPT(cfg).to(info.device))
         opts[name] = torch.optim.AdamW(models[name].parameters(), lr=1e-4)
-    g = torch.Generator().manual_seed(info.rank)
-    seq = torch.randint(0, cfg.vocab_size, (args.batch, cfg.seq_len + 1), generator=g)
-    x, y = seq[:, :-1].to(info.device), seq[:, 1:].to(info.device)
-
-    def step(name: str) -> float:
-        dist.barrier()
-        t0 = time.perf_counter()
-        loss_fn(models[name](x), y).backward()
-        opts[name].step()
-        opts[name].zero_grad(set_to_none=True)
-        if info.device.type == "cuda":
-            torch.cuda.synchronize()
-        t = torch.tensor([time.perf_counter() - t0], device=info.device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)  # a step lasts as long as its slowest rank
-        return float(t)
-
-    for name in STRATEGIES:
-        for _ in range(args.warmup):
-            step(name)
-    times: dict[str, list[list[float]]] = {name: [] for name in STRATEGIES}  # [round][step]
-    for _ in range(args.rounds):
-        for name in STRATEGIES:
-            times[name].append([step(name) for _ in range(args.steps)])
-    n_params = count_params(models["ddp"].module)
-    finish({"times": times, "num_params": n_params, "world_size": info.world_size,
-            "buckets": len(models["bucketed_ddp"].buckets), "device": str(info.device)})
+    times = harness.time_rounds(models, opts, x, y, info, args)
+    finish({"times": times, "num_params": count_params(models["ddp"].module),
+            "world_size": info.world_size, "buckets": len(models["bucketed_ddp"].buckets),
+            "device": str(info.device)})
 
 
-def main(args: argparse.Namespace) -> None:
-    from minifsdp.launch import torchrun
-
-    argv = ["--steps", args.steps, "--rounds", args.rounds, "--warmup", args.warmup,
-            "--batch", args.batch, "--n-layer", args.n_layer, "--d-model", args.d_model,
-            "--seq-len", args.seq_len, "--bucket-cap-mb", args.bucket_cap_mb]
-    rows = []
-    for n in args.world_sizes:
-        run = torchrun(__file__, *argv, nproc=n, chapter="benchmarks", name=f"ddp_{n}",
-                       timeout=900)
-        r = run.ranks[0]
-        med = {k: statistics.median(sum(v, [])) for k, v in r["times"].items()}
-        # the ratio within each round, to show how much the machine's noise moves it
-        per_round = {k: [statistics.median(a) / statistics.median(t) for a, t in
-                         zip(r["times"][k], r["times"]["torch_ddp"])] for k in STRATEGIES[1:]}
-        rows.append((n, r, med, per_round))
-    r = rows[0][1]
+def driver(args: argparse.Namespace) -> None:
+    rows = harness.launch(__file__, args, "ddp", "torch_ddp",
+                          ("--bucket-cap-mb", args.bucket_cap_mb), timeout=900)
+    r = rows[0][1].ranks[0]
     print(f"GPT: {r['num_params'] / 1e6:.2f} M params ({4 * r['num_params'] / 2**20:.1f} MiB "
           f"of fp32 gradients), bucket cap {args.bucket_cap_mb} MiB -> {r['buckets']} buckets, "
           f"{args.batch} x {args.seq_len} tokens per rank, device {r['device']}")
@@ -117,13 +69,11 @@ def main(args: argparse.Namespace) -> None:
           f"{'Bucketed/torch':>15} {'(rounds)':>13} {'Naive/torch':>12} {'(rounds)':>13}")
     for n, _, med, per_round in rows:
         t, b, v = med["torch_ddp"], med["bucketed_ddp"], med["ddp"]
-        spread = {k: f"{min(x):.2f}-{max(x):.2f}" for k, x in per_round.items()}
         print(f"{n:>5} {1e3 * t:>8.1f}ms {1e3 * b:>8.1f}ms {1e3 * v:>8.1f}ms "
-              f"{b / t:>14.3f}x {spread['bucketed_ddp']:>13} {v / t:>11.3f}x "
-              f"{spread['ddp']:>13}")
+              f"{b / t:>14.3f}x {harness.spread(per_round['bucketed_ddp']):>13} {v / t:>11.3f}x "
+              f"{harness.spread(per_round['ddp']):>13}")
     print("\n(rounds): the lowest and highest ratio among the rounds' medians")
 
 
 if __name__ == "__main__":
-    cli = parse_args()
-    worker(cli) if "RANK" in os.environ else main(cli)
+    harness.main(worker, driver, parse_args())
