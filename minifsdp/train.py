@@ -117,11 +117,18 @@ def _fsdp1(model, info, args):
 
 @strategy("torch_fsdp2")
 def _torch_fsdp2(model, info, args):
-    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
+    return shard_bottom_up(fully_shard, model, info, args)
+
+
+def shard_bottom_up(fully_shard, model, info, args):
+    """``fully_shard`` (torch's or ours) on each of ``shard_units(model)``, children before the
+    root, then on the root, over a 1-D mesh of every rank."""
+    from torch.distributed.device_mesh import init_device_mesh
+
     mesh = init_device_mesh(info.device.type, (info.world_size,))
-    for unit in shard_units(model):  # bottom-up: children before the root
+    for unit in shard_units(model):
         fully_shard(unit, mesh=mesh, reshard_after_forward=args.reshard_after_forward)
     return fully_shard(model, mesh=mesh, reshard_after_forward=args.reshard_after_forward)
 
@@ -160,14 +167,9 @@ def _zero2(model, info, args):
 def _fsdp2(model, info, args):
     # torch_fsdp2's units and options, with minifsdp.fsdp2.fully_shard. Its parameters are
     # DTensors too, so save_full_params' get_model_state_dict gathers them as it does torch's.
-    from torch.distributed.device_mesh import init_device_mesh
-
     from minifsdp.fsdp2 import fully_shard
 
-    mesh = init_device_mesh(info.device.type, (info.world_size,))
-    for unit in shard_units(model):  # bottom-up: children before the root
-        fully_shard(unit, mesh=mesh, reshard_after_forward=args.reshard_after_forward)
-    return fully_shard(model, mesh=mesh, reshard_after_forward=args.reshard_after_forward)
+    return shard_bottom_up(fully_shard, model, info, args)
 
 
 def shard_units(model: nn.Module) -> list[nn.Module]:

@@ -39,3 +39,18 @@ def launched(request) -> dict[object, Future]:
                                        name=name, **options)
         yield futures
         pool.shutdown(cancel_futures=True)  # a run cut short (-x, Ctrl-C) starts no more
+
+
+@pytest.fixture(scope="module")
+def cpu_mesh():
+    """A 1-D CPU ``DeviceMesh`` over a world of one, in this process (for DTensor unit tests);
+    the process group is created and destroyed here unless one exists already."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    created = not dist.is_initialized()
+    if created:
+        dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+    yield init_device_mesh("cpu", (1,))
+    if created:
+        dist.destroy_process_group()

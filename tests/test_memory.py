@@ -12,11 +12,9 @@ import json
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 from torch.distributed._tools.mem_tracker import MemTracker
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 from minifsdp import analytic
@@ -125,16 +123,6 @@ def test_peak_equals_torch_memtracker(kind):
         with blind:
             train_step(model, opt, x, y, loss_fn)
         assert torch_peak(theirs) - blind.peak == x.nbytes + y.nbytes
-
-
-@pytest.fixture(scope="module")
-def cpu_mesh():
-    created = not dist.is_initialized()
-    if created:
-        dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
-    yield init_device_mesh("cpu", (1,))
-    if created:
-        dist.destroy_process_group()
 
 
 @pytest.mark.filterwarnings("ignore:FSDP2-wrapped module")
