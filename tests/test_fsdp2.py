@@ -21,10 +21,8 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
 from minifsdp import analytic
@@ -244,14 +242,22 @@ def test_peak_memory_under_the_bound_and_next_to_torch(train_run, n, model, vari
     run, _ = train_run(n, model, variant, "fsdp2")
     torch_run, _ = train_run(n, model, "", "torch_fsdp2")
     b = memory_bound(run)
+    # torch's peak on a rank is not reproducible: measured on the CNN at N = 2, rank 1 peaked at
+    # 24,637,688 B in one run and 27,586,296 B (+2.9 MB) in two others, while ours was
+    # 24,563,192 B every time. The extra is a buffer that torch lets die on gloo's thread, racing
+    # the main thread's allocations. So: never above torch on any rank, and not suspiciously far
+    # below torch's smallest rank peak (a tracker that missed a gradient would be ~0.8).
+    torch_low = min(step_memory(torch_run, r)["peak"] for r in range(n))
     for r in range(n):
         ours, theirs = step_memory(run, r), step_memory(torch_run, r)
-        ratio = ours["peak"] / theirs["peak"]
+        ratio = ours["peak"] / torch_low
         msg = (f"rank {r}: fsdp2 {ours['peak']:,} B = {ours['peak'] / b['bound']:.2f} of the "
-               f"bound {b['bound']:,}; torch_fsdp2 {theirs['peak']:,}; ratio {ratio:.3f}")
+               f"bound {b['bound']:,}; torch_fsdp2 {theirs['peak']:,} (lowest rank "
+               f"{torch_low:,}); ratio to the lowest {ratio:.3f}")
         assert ours["peak"] <= b["bound"], msg
         assert theirs["peak"] <= b["bound"], msg
-        assert 0.9 < ratio <= 1.0, msg
+        assert ours["peak"] <= theirs["peak"], msg
+        assert 0.85 < ratio <= 1.0, msg
         # at rest (end of the step): exactly the sharded parameters and Adam's sharded state
         end = ours["timeline"][-1]
         assert end["params"] == b["Ps"] and end["grads"] == 0 and end["comm"] == 0, msg
@@ -396,13 +402,8 @@ def test_chunk_dim0_is_torch_chunk_plus_empty_shards():
 
 
 @pytest.fixture(scope="module")
-def mesh():
-    created = not dist.is_initialized()
-    if created:
-        dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
-    yield init_device_mesh("cpu", (1,))
-    if created:
-        dist.destroy_process_group()
+def mesh(cpu_mesh):
+    return cpu_mesh  # conftest.py: a world of one, in this process
 
 
 def small_model() -> nn.Module:
