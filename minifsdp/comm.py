@@ -38,6 +38,13 @@ these are still *host* times: NCCL calls return once the work is queued, and ``w
 makes the compute stream wait, so the log says when work was issued, not when it ran. For
 device-side truth on GPUs use ``torch.profiler``.
 
+Note [exposed communication]: what overlap buys is time the caller does *not* spend blocked.
+A blocking collective blocks from ``t_start`` to ``t_end``; an async one only from the moment
+its ``wait()`` is called (``t_wait``) to when that returns (``t_end``) -- zero if the bytes had
+already arrived. ``CommRecord.exposed`` is that time, and ``exposed_seconds(records)`` sums it
+over a log: the communication a step actually waits for. (Host times: on CUDA a ``wait()``
+returns at once and the *stream* waits, so measure GPU overlap with ``torch.profiler``.)
+
 Note [async completion]: ``t_end`` (the ``wait()``) says when the *caller* needed the result,
 which for a bucket launched early in backward is long after the bytes arrived. ``t_done`` says
 when the collective itself finished: the work's future runs a callback that stamps it. On gloo
@@ -76,6 +83,16 @@ class CommRecord:
     tag: str | None
     # When the collective itself finished (Note [async completion]); = t_end for blocking ones.
     t_done: float | None = None
+    # When the caller started to wait (Note [exposed communication]); = t_start for blocking
+    # ones, None while an async op has not been waited on.
+    t_wait: float | None = None
+
+    @property
+    def exposed(self) -> float:
+        """Seconds the caller sat blocked on this collective (Note [exposed communication])."""
+        if self.kind != "comm" or self.t_end is None:
+            return 0.0
+        return self.t_end - (self.t_wait if self.t_wait is not None else self.t_start)
 
 
 class CommLog:
@@ -132,6 +149,27 @@ _ACTIVE: list[CommLog] = [CommLog()]
 _TAGS: list[str] = []
 
 
+def exposed_seconds(records: list[dict[str, Any]] | list[CommRecord],
+                    tag_prefix: str | None = None) -> float:
+    """Total seconds callers sat blocked on collectives (Note [exposed communication]), over
+    ``records`` -- ``CommRecord``s or their dicts from a rank's JSON -- optionally only those
+    whose tag starts with ``tag_prefix``.
+
+    Example:
+        >>> exposed_seconds(run.ranks[0]["comm"], "fsdp2")   # doctest: +SKIP
+        0.0213
+    """
+    total = 0.0
+    for r in records:
+        r = r if isinstance(r, dict) else asdict(r)
+        if r["kind"] != "comm" or r["t_end"] is None:
+            continue
+        if tag_prefix is not None and not (r["tag"] or "").startswith(tag_prefix):
+            continue
+        total += r["t_end"] - (r.get("t_wait") if r.get("t_wait") is not None else r["t_start"])
+    return total
+
+
 def comm_log() -> CommLog:
     """The process-wide log: it records every wrapped call since the process started."""
     return _ACTIVE[0]
@@ -185,6 +223,7 @@ def _record(log: CommLog, kind: str, op: str, nbytes: int, wire: float, group_si
         t0 - log.t0, t1,
         tag if tag is not None else (_TAGS[-1] if _TAGS else None),
         t1,
+        None if t1 is None else t0 - log.t0,
     )
 
 
@@ -206,9 +245,12 @@ class LoggedWork:
                 rec.t_done = t - log.t0
 
     def wait(self, *args: Any, **kwargs: Any) -> Any:
+        t_wait = time.perf_counter()
         out = self._work.wait(*args, **kwargs)
         t = time.perf_counter()
         for log, rec in self._records:
+            if rec.t_wait is None:
+                rec.t_wait = t_wait - log.t0
             if rec.t_end is None:
                 rec.t_end = t - log.t0
             if rec.t_done is None or rec.t_done > rec.t_end:

@@ -91,7 +91,7 @@ def test_logged_collectives_record_ring_formulas(ranks):
         assert [x[:2] for x in log["ops"][5:]] == [["compute", "compute"], ["comm", "all_reduce"]]
         assert log["json_keys"] == sorted(["kind", "op", "bytes", "wire_bytes", "group_size",
                                            "dtype", "shape", "t_start", "t_end", "tag",
-                                           "t_done"])
+                                           "t_done", "t_wait"])
         assert log["span"][1] - log["span"][0] >= 0.05
         assert log["process_log_has_them"]
 
@@ -109,3 +109,14 @@ def test_async_completion_is_stamped_before_the_wait(ranks):
         log = r["log"]
         assert log["async_t_start"] <= log["async_t_done"] < log["async_t_wait"]
         assert log["sync_done_is_end"]
+
+
+def test_exposed_time_counts_only_the_blocked_part(ranks):
+    # Note [exposed communication]: the async all-reduce was done during the 0.2 s sleep, so
+    # its wait() blocks for (almost) nothing, while a blocking call is exposed all along.
+    for r in ranks:
+        log = r["log"]
+        assert abs(log["async_rec_t_wait"] - log["async_t_wait"]) < 0.01
+        assert 0 <= log["async_exposed"] < 0.05
+        assert log["sync_exposed_is_duration"]
+        assert log["exposed_total"] == pytest.approx(log["exposed_inner_plus_async"])

@@ -114,6 +114,11 @@ out["log"] = {
     "async_t_start": log.records[-1].t_start,
     "async_t_done": log.records[-1].t_done,
     "sync_done_is_end": all(r.t_done == r.t_end for r in inner.records),
+    "async_rec_t_wait": log.records[-1].t_wait,
+    "async_exposed": log.records[-1].exposed,
+    "sync_exposed_is_duration": all(r.exposed == r.t_end - r.t_start for r in inner.records),
+    "exposed_total": comm.exposed_seconds(log.to_list()),
+    "exposed_inner_plus_async": sum(r.exposed for r in log.comms()),
     "span": [log.records[-2].t_start, log.records[-2].t_end],
     "process_log_has_them": len(comm.comm_log().comms()) >= len(log.comms()),
 }
