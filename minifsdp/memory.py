@@ -33,6 +33,12 @@ tensor. For an op on DTensors we return ``NotImplemented``: DTensor then runs th
 local tensors, which come back through this mode and are counted. The wrapper owns no memory.
 DTensor's sharding propagation may run ops under a fake mode; those allocate nothing, skip them.
 
+Note [labels]: categories say *what* memory is for; a label says *whose* it is. A storage
+tagged with ``label="blocks.1"`` is also counted under that name, and every sample then has
+``"labels": {name: bytes}`` -- e.g. how many bytes of each FSDP2 group are unsharded over a
+step (``minifsdp.plot.plot_label_timeline``). A label sticks to its storage through
+``resize_(0)`` / ``resize_(n)``, so a freed and re-gathered parameter keeps its name.
+
 Note [CUDA]: the caching allocator rounds every block up to 512 bytes, so we round too (as
 torch's MemTracker does) and record ``torch.cuda.memory_allocated()`` in each sample as
 ``"allocator"``, a cross-check that also sees what no dispatch mode can (workspaces, NCCL
@@ -57,16 +63,18 @@ MODEL_STATE = ("params", "grads", "optimizer")
 _ACTIVE: list[MemoryTracker] = []  # trackers inside their `with` block, for `tag`
 
 
-def tag(tensor, category: str) -> None:
+def tag(tensor, category: str, label: str | None = None) -> None:
     """Count ``tensor``'s storage as ``category`` in every active tracker; a no-op otherwise.
 
     Lets code that knows nothing about trackers (``minifsdp.comm``) label its buffers.
+    ``label`` also counts it under that name (Note [labels]), e.g. FSDP2's unsharded
+    parameters under their group's name.
 
     Example:
         >>> tag(torch.empty(1024), "comm")  # no tracker active: nothing happens
     """
     for tracker in _ACTIVE:
-        tracker.register(tensor, category)
+        tracker.register(tensor, category, label)
 
 
 def _storages(t: torch.Tensor) -> list[torch.UntypedStorage]:
@@ -114,6 +122,8 @@ class MemoryTracker(TorchDispatchMode):
         self.device = torch.device(device)
         self.model, self.optimizer, self.max_samples = model, optimizer, max_samples
         self._live: dict[int, list] = {}  # id(storage) -> [weakref, bytes, category]
+        self._labels: dict[int, str] = {}  # id(storage) -> label (Note [labels])
+        self._label_bytes: dict[str, int] = {}
         self._bytes = dict.fromkeys(CATEGORIES, 0)
         self._phases = ["(none)"]  # a stack, pushed by `phase()` and `optimizer.step()`
         self._module_phase: str | None = None  # set by `track_modules`'s hooks; wins if set
@@ -145,6 +155,8 @@ class MemoryTracker(TorchDispatchMode):
             entry[2] = category
         self._bytes[before[1]] -= before[0]
         self._bytes[entry[2]] += nbytes
+        if id(st) in self._labels:
+            self._label_bytes[self._labels[id(st)]] += nbytes - before[0]
         entry[1] = nbytes
         return entry[1:] != before
 
@@ -153,10 +165,13 @@ class MemoryTracker(TorchDispatchMode):
         if entry is not None and entry[0] is ref:
             del self._live[key]
             self._bytes[entry[2]] -= entry[1]
+            if key in self._labels:
+                self._label_bytes[self._labels.pop(key)] -= entry[1]
             self._record()
 
-    def register(self, tensors, category: str) -> None:
-        """Count ``tensors`` (a tensor or any nest of them) as ``category`` from now on.
+    def register(self, tensors, category: str, label: str | None = None) -> None:
+        """Count ``tensors`` (a tensor or any nest of them) as ``category`` from now on, and
+        under ``label`` if given (Note [labels]).
 
         Example:
             >>> x = torch.randn(64, 1, 28, 28)
@@ -166,9 +181,18 @@ class MemoryTracker(TorchDispatchMode):
             True
         """
         assert category in CATEGORIES, f"unknown category {category!r}"
-        changed = [
-            self._track(st, category, True) for t in _tensors(tensors) for st in _storages(t)
-        ]
+        storages = [st for t in _tensors(tensors) for st in _storages(t)]
+        changed = [self._track(st, category, True) for st in storages]
+        if label is not None:
+            for st in storages:
+                if id(st) in self._live and self._labels.get(id(st)) != label:
+                    old = self._labels.get(id(st))
+                    if old is not None:
+                        self._label_bytes[old] -= self._live[id(st)][1]
+                    self._labels[id(st)] = label
+                    self._label_bytes[label] = (self._label_bytes.get(label, 0)
+                                                + self._live[id(st)][1])
+                    changed.append(True)
         if any(changed):
             self._record()
 
@@ -237,9 +261,13 @@ class MemoryTracker(TorchDispatchMode):
             self.peak, self.peak_by_category = total, dict(self._bytes)
             self.peak_phase, self.peak_i = phase, self._events
         last = self.timeline[-1] if self.timeline else {}
-        if last.get("phase") == phase and all(last[c] == self._bytes[c] for c in CATEGORIES):
+        labels = dict(self._label_bytes) if self._label_bytes else None
+        if (last.get("phase") == phase and last.get("labels") == labels
+                and all(last[c] == self._bytes[c] for c in CATEGORIES)):
             return  # nothing to see since the last sample
         sample = {"i": self._events, "phase": phase, "total": total, **self._bytes}
+        if labels is not None:
+            sample["labels"] = labels
         if self.device.type == "cuda":
             sample["allocator"] = torch.cuda.memory_allocated(self.device)
         self.timeline.append(sample)

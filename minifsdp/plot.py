@@ -70,6 +70,34 @@ def plot_memory_timeline(memory: Mapping, ax=None, title="Live tensor memory", l
     return ax
 
 
+def plot_label_timeline(memory: Mapping, ax=None, title="Live memory by label"):
+    """Stacked area of the bytes counted under each label (``MemoryTracker``'s Note
+    [labels]) over one tracked step, on the same x axis as ``plot_memory_timeline``: e.g.
+    which FSDP2 groups are unsharded when. Labels that never hold memory are left out.
+
+    Example:
+        >>> plot_label_timeline(run.ranks[0]["memory"][1])   # doctest: +SKIP
+    """
+    ax = _ax(ax)
+    tl = memory["timeline"]
+    names = [n for n in dict.fromkeys(k for s in tl for k in s.get("labels") or {})
+             if any((s.get("labels") or {}).get(n, 0) for s in tl)]
+    ys = [[(s.get("labels") or {}).get(n, 0) / MiB for s in tl] for n in names]
+    cmap = plt.get_cmap("tab10")
+    ax.stackplot(range(len(tl)), *ys, labels=names, step="post", alpha=0.85,
+                 colors=[cmap(k % 10) for k in range(len(names))])
+    top = max([sum(col) for col in zip(*ys)] or [1])
+    for k, (start, end, phase) in enumerate(_phase_spans([_coarse(s["phase"]) for s in tl])):
+        ax.axvspan(start, end, color="0.93" if k % 2 else "white", zorder=0)
+        if end - start >= 0.06 * len(tl):
+            ax.text((start + end) / 2, top * 1.04, phase, ha="center", va="bottom", fontsize=8)
+    ax.set(title=title, xlabel="memory event (order within the step)", ylabel="MiB",
+           xlim=(0, max(len(tl) - 1, 1)), ylim=(0, top * 1.25))
+    ax.legend(loc="upper left", fontsize=7, ncol=min(len(names), 8), frameon=False,
+              bbox_to_anchor=(0, -0.14))
+    return ax
+
+
 def _coarse(phase: str) -> str:
     """``"forward conv1"`` -> ``"forward"``: the step-level phase of a fine-grained one."""
     first = phase.split(" ", 1)[0]
