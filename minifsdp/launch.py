@@ -163,6 +163,40 @@ def torchrun(
     return RunResult(name, out_dir, ranks, stdout, wall)
 
 
+def torchrun_all(jobs: dict[str, tuple[str, int, tuple]], *, parallel: int = 2,
+                 **options: Any) -> dict[str, RunResult]:
+    """Run several torchrun jobs, ``parallel`` at a time; return their results by name.
+
+    Args:
+        jobs: ``name -> (target, nproc, args)``; each becomes ``torchrun(target, *args,
+            nproc=nproc, name=name, **options)``.
+        parallel: jobs at once. A launch spends most of its wall time starting processes
+            (every rank imports torch) while cores wait on the rendezvous, so two jobs at once
+            finish sooner than one after the other on 2 cores.
+
+    Memory measured by ``MemoryTracker`` counts tensors and does not depend on what else runs;
+    *times* do: time things in a job of their own. The first failing job's ``WorkerError``
+    is raised once every started job has ended; jobs not yet started are not run.
+
+    Example:
+        >>> runs = torchrun_all({"ddp": ("minifsdp.train", 2, ("--strategy", "ddp")),
+        ...                      "one": ("minifsdp.train", 1, ())}, chapter="05")  # doctest: +SKIP
+        >>> runs["ddp"].ranks[0]["losses"]  # doctest: +SKIP
+    """
+    from concurrent.futures import ThreadPoolExecutor
+
+    order = sorted(jobs, key=lambda k: -jobs[k][1])  # big jobs first: less idle tail
+    with ThreadPoolExecutor(parallel) as pool:
+        futures = {k: pool.submit(torchrun, jobs[k][0], *jobs[k][2], nproc=jobs[k][1], name=k,
+                                  **options) for k in order}
+        try:
+            results = {k: futures[k].result() for k in order}
+        except BaseException:
+            pool.shutdown(cancel_futures=True)
+            raise
+    return {k: results[k] for k in jobs}
+
+
 def _wait(proc: subprocess.Popen, timeout: float, bar: _ProgressBar | None) -> str:
     deadline = time.monotonic() + timeout
     while True:
