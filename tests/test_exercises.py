@@ -396,6 +396,60 @@ def fsdp1_step_wire_bytes_regathers_for_backward(padded_numels, n, strategy):
                                  "full_shard" if strategy == "shard_grad_op" else strategy)
 
 
+def dim0_rows(d0, world_size):
+    per = -(-d0 // world_size)
+    return [max(0, min(per, d0 - r * per)) for r in range(world_size)]
+
+
+def dim0_rows_floor(d0, world_size):
+    """Splits as evenly as possible (np.array_split), which is not torch.chunk's rule."""
+    return [d0 // world_size + (r < d0 % world_size) for r in range(world_size)]
+
+
+def dim0_rows_no_empty(d0, world_size):
+    """Returns only torch.chunk's chunks, forgetting the empty shards."""
+    per = -(-d0 // world_size)
+    return [min(per, d0 - r * per) for r in range(world_size) if d0 - r * per > 0]
+
+
+def fsdp2_rest_bytes(shapes, world_size, rank):
+    total = 0
+    for shape in shapes:
+        rest = math.prod(shape[1:])
+        rows = dim0_rows(shape[0], world_size)
+        total += 4 * rows[0] * rest + 8 * rows[rank] * rest + 4
+    return total
+
+
+def fsdp2_rest_bytes_unpadded(shapes, world_size, rank):
+    """Counts the parameter's own rows, not the padded shard behind them."""
+    return sum(12 * dim0_rows(s[0], world_size)[rank] * math.prod(s[1:]) + 4 for s in shapes)
+
+
+def fsdp2_rest_bytes_with_grads(shapes, world_size, rank):
+    """Keeps sharded gradients between steps (zero_grad sets them to None)."""
+    return fsdp2_rest_bytes(shapes, world_size, rank) + sum(
+        4 * dim0_rows(s[0], world_size)[rank] * math.prod(s[1:]) for s in shapes)
+
+
+def fsdp2_group_wire_bytes(shapes, world_size, reshard_after_forward):
+    n = world_size
+    buffer = 4 * n * sum(-(-s[0] // n) * math.prod(s[1:]) for s in shapes)
+    return (3 if reshard_after_forward else 2) * (n - 1) / n * buffer
+
+
+def fsdp2_group_wire_bytes_unpadded(shapes, world_size, reshard_after_forward):
+    """Sends the parameters' own elements, without the padding of short shards."""
+    n = world_size
+    buffer = 4 * sum(math.prod(s) for s in shapes)
+    return (3 if reshard_after_forward else 2) * (n - 1) / n * buffer
+
+
+def fsdp2_group_wire_bytes_always_regather(shapes, world_size, reshard_after_forward):
+    """Forgets that a group kept after forward needs no second all-gather."""
+    return fsdp2_group_wire_bytes(shapes, world_size, True)
+
+
 # ---- the checkers --------------------------------------------------------------------------
 
 # checker -> (the name it prints, a correct solution, wrong solutions)
@@ -433,6 +487,14 @@ SOLUTIONS = {
                                     [fsdp1_step_wire_bytes_root_regathered,
                                      fsdp1_step_wire_bytes_regathers_for_backward]),
 }
+SOLUTIONS.update({
+    "check_dim0_rows": ("dim-0 rows", dim0_rows, [dim0_rows_floor, dim0_rows_no_empty]),
+    "check_fsdp2_rest_bytes": ("FSDP2 bytes at rest", fsdp2_rest_bytes,
+                               [fsdp2_rest_bytes_unpadded, fsdp2_rest_bytes_with_grads]),
+    "check_fsdp2_group_wire_bytes": ("FSDP2 group bytes per step", fsdp2_group_wire_bytes,
+                                     [fsdp2_group_wire_bytes_unpadded,
+                                      fsdp2_group_wire_bytes_always_regather]),
+})
 WRONG = [(c, w) for c, (_, _, wrongs) in SOLUTIONS.items() for w in wrongs]
 WRONG_IDS = [w.__name__ for _, w in WRONG]
 
