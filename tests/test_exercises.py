@@ -450,6 +450,65 @@ def fsdp2_group_wire_bytes_always_regather(shapes, world_size, reshard_after_for
     return fsdp2_group_wire_bytes(shapes, world_size, True)
 
 
+def bf16_round(x):
+    import struct
+
+    bits = struct.unpack("<I", struct.pack("<f", x))[0]
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000   # round to nearest, ties to even
+    return struct.unpack("<f", struct.pack("<I", bits))[0]
+
+
+def bf16_truncate(x):
+    """Drops the low 16 bits: rounds toward zero."""
+    import struct
+
+    bits = struct.unpack("<I", struct.pack("<f", x))[0] & 0xFFFF0000
+    return struct.unpack("<f", struct.pack("<I", bits))[0]
+
+
+def bf16_round_half_up(x):
+    """Rounds ties away from zero instead of to even."""
+    import struct
+
+    bits = (struct.unpack("<I", struct.pack("<f", x))[0] + 0x8000) & 0xFFFF0000
+    return struct.unpack("<f", struct.pack("<I", bits))[0]
+
+
+def unsharded_group_bytes(shapes, world_size, element_size):
+    n = world_size
+    return element_size * n * sum(-(-s[0] // n) * math.prod(s[1:]) for s in shapes)
+
+
+def unsharded_group_bytes_unpadded(shapes, world_size, element_size):
+    """The parameters' own elements: forgets the padding of short shards."""
+    return element_size * sum(math.prod(s) for s in shapes)
+
+
+def unsharded_group_bytes_fp32(shapes, world_size, element_size):
+    """Ignores the gather dtype: unsharded parameters are param_dtype under mixed precision."""
+    return unsharded_group_bytes(shapes, world_size, 4)
+
+
+def mp_group_wire_bytes(shapes, world_size, param_bytes, reduce_bytes, reshard_after_forward):
+    n = world_size
+    elems = n * sum(-(-s[0] // n) * math.prod(s[1:]) for s in shapes)
+    return (n - 1) / n * elems * ((2 if reshard_after_forward else 1) * param_bytes
+                                  + reduce_bytes)
+
+
+def mp_group_wire_bytes_all_param(shapes, world_size, param_bytes, reduce_bytes,
+                                  reshard_after_forward):
+    """Reduce-scatters in the param dtype too, whatever reduce_dtype says."""
+    return mp_group_wire_bytes(shapes, world_size, param_bytes, param_bytes,
+                               reshard_after_forward)
+
+
+def mp_group_wire_bytes_fp32_gather(shapes, world_size, param_bytes, reduce_bytes,
+                                    reshard_after_forward):
+    """Gathers the fp32 shards and casts after: the cast belongs in the copy-in."""
+    return mp_group_wire_bytes(shapes, world_size, 4, reduce_bytes, reshard_after_forward)
+
+
 # ---- the checkers --------------------------------------------------------------------------
 
 # checker -> (the name it prints, a correct solution, wrong solutions)
@@ -494,6 +553,14 @@ SOLUTIONS.update({
     "check_fsdp2_group_wire_bytes": ("FSDP2 group bytes per step", fsdp2_group_wire_bytes,
                                      [fsdp2_group_wire_bytes_unpadded,
                                       fsdp2_group_wire_bytes_always_regather]),
+})
+SOLUTIONS.update({
+    "check_bf16_round": ("bf16 rounding", bf16_round, [bf16_truncate, bf16_round_half_up]),
+    "check_unsharded_group_bytes": ("unsharded group bytes", unsharded_group_bytes,
+                                    [unsharded_group_bytes_unpadded, unsharded_group_bytes_fp32]),
+    "check_mp_group_wire_bytes": ("mixed-precision group bytes", mp_group_wire_bytes,
+                                  [mp_group_wire_bytes_all_param,
+                                   mp_group_wire_bytes_fp32_gather]),
 })
 WRONG = [(c, w) for c, (_, _, wrongs) in SOLUTIONS.items() for w in wrongs]
 WRONG_IDS = [w.__name__ for _, w in WRONG]
