@@ -14,20 +14,41 @@ measure of the machine's noise. Then one more step of each runs under
 ``minifsdp.memory.MemoryTracker`` (the same tracker for both) for the per-rank peak. Not part
 of the test suite.
 
+Prefetching (chapter 06, ``minifsdp/fsdp2/prefetch.py``) is compared pair by pair, each
+ratio against the torch configuration that issues the same all-gathers in the same order:
+
+    default     torch's default (implicit backward prefetch)  vs ours' default (the same)
+    explicit    torch with set_modules_to_forward/backward_prefetch one block ahead
+                vs ours with the same lists
+    implicit    the same torch run vs our implicit forward + backward prefetch (no lists)
+    off         torch's default vs ours with prefetching off (what prefetching buys us)
+
 On a CPU-only machine all ranks share the same cores and gloo's collectives go through the
 kernel's loopback, so absolute numbers say little about GPUs; the ratios compare the two
-implementations under the same conditions. Neither side overlaps communication here (torch's
-separate all-gather/reduce-scatter streams exist only on GPUs), so this is the un-prefetched
-baseline of chapter 06.
+implementations under the same conditions. On CPU torch's prefetches are *blocking* gloo
+all-gathers issued earlier (its overlap comes from CUDA streams), while ours are async gloo
+work that runs on gloo's thread during compute -- with two cores shared by all ranks, that
+thread competes with compute for a core.
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 
 import harness
 
-STRATEGIES = ("torch", "minifsdp")
+# name: (implementation, --forward-prefetch, --backward-prefetch), as in minifsdp.train
+STRATEGIES = {
+    "torch": ("torch", "none", "implicit"),
+    "minifsdp": ("minifsdp", "none", "implicit"),
+    "torch_explicit": ("torch", "explicit", "explicit"),
+    "minifsdp_explicit": ("minifsdp", "explicit", "explicit"),
+    "minifsdp_implicit": ("minifsdp", "implicit", "implicit"),
+    "minifsdp_off": ("minifsdp", "none", "none"),
+}
+PAIRS = [("default", "torch", "minifsdp"), ("explicit", "torch_explicit", "minifsdp_explicit"),
+         ("implicit", "torch_explicit", "minifsdp_implicit"), ("off", "torch", "minifsdp_off")]
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -42,19 +63,22 @@ def worker(args: argparse.Namespace) -> None:
     from minifsdp.dist import dist_setup, finish, seed_everything
     from minifsdp.fsdp2 import fully_shard
     from minifsdp.models import GPT, count_params
+    from minifsdp.train import set_prefetch
 
     info = dist_setup()
     mesh = init_device_mesh(info.device.type, (info.world_size,))
     cfg, x, y = harness.gpt_and_batch(args, info)
     shard = {"torch": torch_fully_shard, "minifsdp": fully_shard}
     models, opts = {}, {}
-    for name in STRATEGIES:
+    for name, (impl, forward, backward) in STRATEGIES.items():
         seed_everything(0)
         model = GPT(cfg).to(info.device)
         n_params = count_params(model)
         for block in model.blocks:
-            shard[name](block, mesh=mesh)
-        models[name] = shard[name](model, mesh=mesh)
+            shard[impl](block, mesh=mesh)
+        models[name] = shard[impl](model, mesh=mesh)
+        set_prefetch(models[name], argparse.Namespace(forward_prefetch=forward,
+                                                      backward_prefetch=backward))
         opts[name] = torch.optim.AdamW(models[name].parameters(), lr=1e-4)
     times = harness.time_rounds(models, opts, x, y, info, args)
     peaks = harness.tracked_peaks(models, opts, x, y, info)
@@ -69,17 +93,21 @@ def driver(args: argparse.Namespace) -> None:
           f"{args.batch} x {args.seq_len} tokens per rank, AdamW, device {r['device']}")
     print(f"median of {args.rounds} x {args.steps} steps per implementation, after "
           f"{args.warmup} warm-up steps; peak = MemoryTracker, one step\n")
-    print(f"{'ranks':>5} {'torch':>9} {'minifsdp':>9} {'time ratio':>11} {'(rounds)':>11} "
-          f"{'torch peak':>11} {'minifsdp peak':>14} {'peak ratio':>11}")
-    for n, run, med, per_round in rows:
-        t, m = med["torch"], med["minifsdp"]
-        ours = max(q["peaks"]["minifsdp"]["total"] for q in run.ranks)
-        theirs = max(q["peaks"]["torch"]["total"] for q in run.ranks)
-        print(f"{n:>5} {1e3 * t:>7.1f}ms {1e3 * m:>7.1f}ms {m / t:>10.3f}x "
-              f"{harness.spread(per_round['minifsdp']):>11} {theirs / 2**20:>9.2f}MiB "
-              f"{ours / 2**20:>12.2f}MiB {ours / theirs:>10.3f}x")
+    print(f"{'ranks':>5} {'prefetch':>9} {'torch':>9} {'minifsdp':>9} {'time ratio':>11} "
+          f"{'(rounds)':>11} {'torch peak':>11} {'minifsdp peak':>14} {'peak ratio':>11}")
+    for n, run, med, _ in rows:
+        times = run.ranks[0]["times"]
+        for label, ref, name in PAIRS:
+            t, m = med[ref], med[name]
+            per_round = [statistics.median(a) / statistics.median(b)
+                         for a, b in zip(times[name], times[ref])]
+            ours = max(q["peaks"][name]["total"] for q in run.ranks)
+            theirs = max(q["peaks"][ref]["total"] for q in run.ranks)
+            print(f"{n:>5} {label:>9} {1e3 * t:>7.1f}ms {1e3 * m:>7.1f}ms {m / t:>10.3f}x "
+                  f"{harness.spread(per_round):>11} {theirs / 2**20:>9.2f}MiB "
+                  f"{ours / 2**20:>12.2f}MiB {ours / theirs:>10.3f}x")
     print("\n(rounds): the lowest and highest ratio among the rounds' medians; peaks: the "
-          "largest over ranks")
+          "largest over ranks. Pairs: see the module docstring.")
     for n, run, *_ in rows:
         for name in STRATEGIES:
             cats = run.ranks[0]["peaks"][name]

@@ -9,12 +9,14 @@ same names and the same state machine, one idea per module::
     FSDPModule  --- module._fsdp_state --> FSDPState                        fsdp_state.py
     unshard() / reshard()                  forward pre/post hooks, pre-backward grad hooks,
     set_requires_gradient_sync()           post-backward counting, root lazy init,
-                                           end-of-backward callback
-                                                |  .group
+    set_modules_to_*_prefetch()            end-of-backward callback
+                                                |  which group to all-gather next
+                                                |  ----------------------------> prefetch.py
+                                                |  .group                      (chapter 06)
                                                 v
                                            FSDPParamGroup                   fsdp_param_group.py
                                            SHARDED <-> UNSHARDED; ONE all-gather (copy-in,
-                                           collective, copy-out) and ONE reduce-scatter
+                                           collective | wait, copy-out) and ONE reduce-scatter
                                            per group; resize_(0) frees, resize_(n) restores
                                                 |  .fsdp_params
                                                 v
@@ -39,7 +41,14 @@ Notes to cite: [the tensors of one parameter], [dim-0 chunks], [padding], [who o
 shard's storage] (fsdp_param.py); [copy-in and copy-out], [freeing with resize_], [version
 counter], [FSDP2 memory categories], [accumulating without communication]
 (fsdp_param_group.py); [when is a group's backward over?] (fsdp_state.py); [bottom-up],
-[the class swap], [state dicts], [meta-device init] (api.py).
+[the class swap], [state dicts], [meta-device init] (api.py); [issue and wait], [which group
+is next], [same order on every rank], [mistargeted prefetches], [prefetch memory], [prefetch
+on GPUs] (prefetch.py); [mixed precision], [gloo dtypes] (mixed_precision.py), [accumulating
+in the reduce dtype] (fsdp_param.py).
+
+Mixed precision (chapter 07): ``fully_shard(m, mesh=mesh, mp_policy=MixedPrecisionPolicy(
+param_dtype=torch.bfloat16, reduce_dtype=torch.float32))`` -- bf16 all-gathers and compute,
+fp32 sharded master weights and gradient reduction.
 """
 
 from minifsdp.fsdp2.api import (
@@ -51,8 +60,11 @@ from minifsdp.fsdp2.api import (
 from minifsdp.fsdp2.fsdp_param import FSDPParam, chunk_dim0
 from minifsdp.fsdp2.fsdp_param_group import FSDPParamGroup, ShardedState, TrainingState
 from minifsdp.fsdp2.fsdp_state import FSDPState
+from minifsdp.fsdp2.mixed_precision import MixedPrecisionPolicy
+from minifsdp.fsdp2.prefetch import UnshardHandle
 
 __all__ = [
-    "FSDPModule", "FSDPParam", "FSDPParamGroup", "FSDPState", "ShardedState", "TrainingState",
-    "chunk_dim0", "full_state_dict", "fully_shard", "load_full_state_dict",
+    "FSDPModule", "FSDPParam", "FSDPParamGroup", "FSDPState", "MixedPrecisionPolicy",
+    "ShardedState", "TrainingState",
+    "UnshardHandle", "chunk_dim0", "full_state_dict", "fully_shard", "load_full_state_dict",
 ]

@@ -58,6 +58,8 @@ from torch.distributed.tensor import DTensor
 from minifsdp.fsdp2.fsdp_param import Owners, chunk_dim0
 from minifsdp.fsdp2.fsdp_param_group import FSDPParamGroup
 from minifsdp.fsdp2.fsdp_state import FSDPState
+from minifsdp.fsdp2.mixed_precision import MixedPrecisionPolicy, register_forward_casts
+from minifsdp.fsdp2.prefetch import UnshardHandle
 
 
 class FSDPModule:
@@ -80,10 +82,24 @@ class FSDPModule:
     def fsdp_state(self) -> FSDPState:
         return self.__dict__["_fsdp_state"]
 
-    def unshard(self) -> None:
-        """All-gather this module's group now (not its children's)."""
-        if self.fsdp_state.group is not None:
-            self.fsdp_state.group.unshard()
+    def unshard(self, async_op: bool = False) -> UnshardHandle | None:
+        """All-gather this module's group now (not its children's), as torch's.
+
+        ``async_op=True`` only issues the all-gather and returns an ``UnshardHandle``: its
+        ``wait()`` finishes it, and so does the module's next pre-forward. That is how a
+        training loop prefetches the first block, which no earlier module does::
+
+            model.blocks[0].unshard(async_op=True)   # overlaps the root's embedding
+            loss = loss_fn(model(x), y)
+        """
+        groups = [self.fsdp_state.group] if self.fsdp_state.group is not None else []
+        for group in groups:
+            group.unshard(async_op=True)
+        handle = UnshardHandle(groups)
+        if async_op:
+            return handle
+        handle.wait()
+        return None
 
     def reshard(self) -> None:
         """Free this module's unsharded parameters now, registering the shards again."""
@@ -113,17 +129,74 @@ class FSDPModule:
         for group in self._groups(recurse):
             group.reshard_after_forward = reshard_after_forward
 
+    def set_modules_to_forward_prefetch(self, modules: list[FSDPModule]) -> None:
+        """After this module's all-gather in forward, issue those of ``modules``, in order
+        (torch's API). Replaces the implicit forward guess for this module; ``[]`` goes back
+        to it. One module ahead overlaps the next all-gather with this module's forward; two
+        or more go further ahead at one more group's unsharded memory each (Note [prefetch
+        memory]). Set the same lists on every rank (Note [same order on every rank])::
+
+            for prev, nxt in zip(model.blocks, model.blocks[1:]):
+                prev.set_modules_to_forward_prefetch([nxt])
+        """
+        self.fsdp_state.forward_prefetch = _states_of(modules, "set_modules_to_forward_prefetch")
+
+    def set_modules_to_backward_prefetch(self, modules: list[FSDPModule]) -> None:
+        """After this module's all-gather in backward, issue those of ``modules`` (torch's
+        API); replaces the implicit backward guess (the previous module in post-forward
+        order) for this module::
+
+            for prev, nxt in zip(model.blocks, model.blocks[1:]):
+                nxt.set_modules_to_backward_prefetch([prev])
+            model.set_modules_to_backward_prefetch([model.blocks[-1]])
+        """
+        self.fsdp_state.backward_prefetch = _states_of(modules,
+                                                       "set_modules_to_backward_prefetch")
+
+    def set_implicit_prefetch(self, *, forward: bool | None = None,
+                              backward: bool | None = None, recurse: bool = True) -> None:
+        """Turn the implicit prefetches on or off (``None``: leave as is). minifsdp only, not a
+        torch API: torch always prefetches implicitly in backward and has no forward switch,
+        because on GPUs its separate all-gather streams overlap the forward anyway (Notes
+        [which group is next], [prefetch on GPUs] in ``minifsdp/fsdp2/prefetch.py``). We
+        need the forward switch for overlap on CPU (and on GPUs, where we have no such
+        streams), and the backward one to measure what prefetching buys. Defaults:
+        ``forward=False, backward=True`` (torch's behaviour)."""
+        modules = self.modules() if recurse else [self]
+        for state in (m.fsdp_state for m in modules if isinstance(m, FSDPModule)):
+            if forward is not None:
+                state.implicit_forward_prefetch = forward
+            if backward is not None:
+                state.implicit_backward_prefetch = backward
+
     def _groups(self, recurse: bool) -> list[FSDPParamGroup]:
         modules = self.modules() if recurse else [self]
         states = [m.fsdp_state for m in modules if isinstance(m, FSDPModule)]
         return [s.group for s in states if s.group is not None]
 
 
+def _states_of(modules: list[FSDPModule], method: str) -> list[FSDPState]:
+    """The states of a prefetch list, with clear errors for what cannot be in one."""
+    if isinstance(modules, nn.Module) and (isinstance(modules, FSDPModule) or not isinstance(
+            modules, (nn.ModuleList, nn.Sequential))):
+        raise TypeError(f"{method} takes a list of modules, got one {type(modules).__name__}; "
+                        "wrap it in a list: [module]")
+    modules = list(modules)
+    for i, m in enumerate(modules):
+        if not isinstance(m, FSDPModule):
+            raise ValueError(f"{method}: modules[{i}] is a {type(m).__name__}, not an FSDPModule; "
+                             "only modules that fully_shard was applied to have an all-gather "
+                             "to prefetch")
+    return [m.fsdp_state for m in modules]
+
+
 _FSDP_CLASSES: dict[type, type] = {}  # Class -> FSDP<Class>, made once per class
+_NO_MIXED_PRECISION = MixedPrecisionPolicy()  # frozen, so one instance can be the default
 
 
 def fully_shard(module: nn.Module, *, mesh: DeviceMesh | None = None,
-                reshard_after_forward: bool | None = None) -> nn.Module:
+                reshard_after_forward: bool | None = None,
+                mp_policy: MixedPrecisionPolicy = _NO_MIXED_PRECISION) -> nn.Module:
     """Shard ``module``'s parameters (those no nested ``fully_shard`` took) on dim 0 over
     ``mesh`` as one group, install the hooks, and return the same module (Note [bottom-up]).
 
@@ -132,6 +205,10 @@ def fully_shard(module: nn.Module, *, mesh: DeviceMesh | None = None,
         reshard_after_forward: free the unsharded parameters after forward and all-gather them
             again in backward (memory for communication). ``None`` (torch 2.14's default):
             True, except for the root, whose parameters backward needs first.
+        mp_policy: the all-gather / compute, reduce-scatter and output dtypes, and whether to
+            cast the forward inputs (Note [mixed precision] in ``mixed_precision.py``).
+            Default: no mixed precision. Dtypes the backend cannot communicate (float8 on
+            gloo) and parameters of several dtypes in one group are refused here.
 
     Parameters must already be on the mesh's device, or on ``meta`` (Note [meta-device
     init]). Frozen parameters (``requires_grad=False``) are gathered with the rest but get
@@ -158,9 +235,10 @@ def fully_shard(module: nn.Module, *, mesh: DeviceMesh | None = None,
             module_, name = owners[0]
             raise ValueError(f"{type(module_).__name__}.{name} is on {p.device}, the mesh on "
                              f"{mesh.device_type}: move the module to the device first")
-    group = FSDPParamGroup(params, mesh, reshard_after_forward,
-                           type(module).__name__) if params else None
+    group = FSDPParamGroup(params, mesh, reshard_after_forward, type(module).__name__,
+                           mp_policy) if params else None
     module.__dict__["_fsdp_state"] = FSDPState(module, group)
+    register_forward_casts(module, mp_policy)  # after FSDPState's hooks (see its docstring)
     cls = module.__class__
     if cls not in _FSDP_CLASSES:
         _FSDP_CLASSES[cls] = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {})

@@ -20,7 +20,9 @@ Note [the tensors of one parameter] (torch: [Note: FSDP tensors] in ``_fsdp_para
                   between iterations, seen by the optimizer, holds ``.grad``
     unsharded     ``unsharded_param``: a plain ``nn.Parameter`` of the original shape, a view
                   of ``_unsharded_data`` (N padded shards back to back); registered on the
-                  module while it computes; autograd accumulates its ``.grad``
+                  module while it computes; autograd accumulates its ``.grad``. Its dtype is
+                  the policy's ``param_dtype`` (Note [mixed precision] in mixed_precision.py),
+                  the others' the original dtype
 
 Note [dim-0 chunks]: rank r owns ``torch.chunk(param, N, dim=0)[r]``. ``torch.chunk`` makes
 chunks of ``ceil(d0 / N)`` rows, so the *last* chunks are short -- and when ``d0 < N`` there
@@ -46,6 +48,9 @@ import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
+
+from minifsdp.fsdp2.mixed_precision import MixedPrecisionPolicy, resolve_dtypes
+from minifsdp.memory import tag
 
 # (module, attribute name) pairs that hold one parameter: more than one when it is shared,
 # e.g. tied embeddings (``head.weight is tok_emb.weight``).
@@ -91,7 +96,8 @@ class FSDPParam:
         (True, (Shard(dim=0),))
     """
 
-    def __init__(self, param: nn.Parameter, owners: Owners, mesh: DeviceMesh):
+    def __init__(self, param: nn.Parameter, owners: Owners, mesh: DeviceMesh,
+                 mp_policy: MixedPrecisionPolicy | None = None):
         if param.dim() == 0:
             raise ValueError("fully_shard shards on dim 0: a 0-d parameter has none; make it "
                              "1-d with one element")
@@ -118,7 +124,22 @@ class FSDPParam:
         param._fsdp2_sharded = True  # a parent fully_shard must not shard it again
         self._unsharded_data: torch.Tensor | None = None  # allocated at the first unshard
         self.unsharded_param: nn.Parameter | None = None
+        # without sync, the unsharded gradient summed in reduce_dtype (Note [accumulating in
+        # the reduce dtype])
+        self.unsharded_accumulated_grad: torch.Tensor | None = None
+        self.init_dtype_attrs(mp_policy or MixedPrecisionPolicy())
         self._set_on_owners(self.sharded_param)
+
+    def init_dtype_attrs(self, mp_policy: MixedPrecisionPolicy) -> None:
+        """``orig_dtype`` (the shard's), ``param_dtype`` and ``reduce_dtype`` (``None``: no
+        cast; ``mixed_precision.resolve_dtypes``). Run again at lazy init, as torch does."""
+        self.orig_dtype = self.sharded_param.dtype
+        self.param_dtype, self.reduce_dtype = resolve_dtypes(mp_policy, self.orig_dtype)
+
+    @property
+    def unsharded_dtype(self) -> torch.dtype:
+        """The all-gather's and the unsharded parameter's dtype."""
+        return self.param_dtype or self.orig_dtype
 
     # ---- the sharded side ------------------------------------------------------------------
 
@@ -168,12 +189,14 @@ class FSDPParam:
         """(Re-)allocate the unsharded buffer and return it, 1-D, ``N * padded_shard_numel``.
 
         The first call creates ``unsharded_param`` (an ``nn.Parameter`` viewing the buffer's
-        first ``numel`` elements, Note [padding]); later calls only give the *same* storage
-        its bytes back, so every tensor that autograd saved from it is valid again.
+        first ``numel`` elements, Note [padding]), in ``unsharded_dtype``; later calls only
+        give the *same* storage its bytes back, so every tensor that autograd saved from it is
+        valid again.
         """
         local = self.sharded_param._local_tensor
         if self._unsharded_data is None:
-            self._unsharded_data = local.new_empty(self.world_size * self.padded_shard_numel)
+            self._unsharded_data = local.new_empty(self.world_size * self.padded_shard_numel,
+                                                   dtype=self.unsharded_dtype)
             view = self._unsharded_data[: math.prod(self.orig_size)].view(self.orig_size)
             self.unsharded_param = nn.Parameter(view, self.sharded_param.requires_grad)
         else:
@@ -198,6 +221,40 @@ class FSDPParam:
         """Register the sharded DTensor parameter again and free the unsharded buffer."""
         self._set_on_owners(self.sharded_param)
         self.free_unsharded()
+
+    # ---- accumulating without sync (Note [accumulating in the reduce dtype]) -----------------
+
+    def to_accumulated_grad_if_needed(self) -> None:
+        """After a backward without sync: move a low-precision unsharded gradient into an
+        accumulator of ``reduce_dtype``.
+
+        Note [accumulating in the reduce dtype]: with ``set_requires_gradient_sync(False)``
+        the unsharded gradients are summed over micro-batches before the one reduce-scatter.
+        Summing them in bf16 would round every micro-batch's addition to 8 bits; torch sums
+        in ``reduce_dtype`` (fp32) instead: the first bf16 gradient is cast into an fp32
+        accumulator, each later one added to it (``accumulate_unsharded_grad_if_needed``),
+        and the reduce-scatter takes the accumulator. Without a ``reduce_dtype`` different
+        from the gradients', autograd's own accumulation into ``.grad`` is used."""
+        grad = None if self.unsharded_param is None else self.unsharded_param.grad
+        if self.reduce_dtype is None or grad is None or grad.dtype == self.reduce_dtype:
+            return
+        self.unsharded_param.grad = None
+        self.unsharded_accumulated_grad = grad.to(self.reduce_dtype)
+        tag(self.unsharded_accumulated_grad, "grads")
+
+    def accumulate_unsharded_grad_if_needed(self) -> None:
+        """At a post-backward: add this backward's gradient into the accumulator, if any."""
+        if self.unsharded_accumulated_grad is not None and self.unsharded_param.grad is not None:
+            self.unsharded_accumulated_grad += self.unsharded_param.grad
+            self.unsharded_param.grad = None
+
+    def take_unsharded_grad(self) -> torch.Tensor | None:
+        """The gradient to reduce-scatter -- the accumulator if there is one, else the
+        unsharded ``.grad`` -- and forget it here (the caller holds the only reference)."""
+        grad, self.unsharded_accumulated_grad = self.unsharded_accumulated_grad, None
+        if grad is None and self.unsharded_param is not None:
+            grad, self.unsharded_param.grad = self.unsharded_param.grad, None
+        return grad
 
     def _set_on_owners(self, param: nn.Parameter) -> None:
         for module, name in self.owners:  # every module that shares it (tied weights)

@@ -24,7 +24,7 @@ the same way backwards: ``_reduce_scatter_copy_in`` lays each gradient's chunk r
 ``fsdp_param.py``). These two copy-ins are single methods on purpose: mixed precision
 (chapter 07) casts right there -- the all-gather input to bf16, the gradients to the reduce
 dtype -- and prefetching (chapter 06) splits ``unshard`` into "issue the all-gather" and
-"wait, then copy out", with the copy-in on a stream of its own on GPUs.
+"wait, then copy out" (``unshard(async_op=True)`` / ``wait_for_unshard``).
 
 Note [freeing with resize_]: in forward, autograd *saves* tensors it needs for backward --
 for ``F.linear(x, w)`` the weight ``w`` itself, i.e. our unsharded parameter (or a view of
@@ -50,7 +50,11 @@ they are parameters registered on the module). ``grads``: the reduce-scatter out
 sharded ``.grad`` DTensors are views of it -- and the unsharded gradients that autograd
 accumulates before the reduce-scatter (tagged in the post-accumulate-grad hook,
 ``fsdp_state.py``). ``comm``: the group's all-gather buffer and reduce-scatter input, which
-exist only around their collective.
+exist only around their collective. With mixed precision (``mixed_precision.py``) the same
+categories hold at other sizes: unsharded buffers, unsharded gradients and the all-gather
+buffer in ``param_dtype``, the reduce-scatter input in the reduce dtype; when that differs
+from the shards' dtype, the reduce-scatter output is ``comm`` too (it dies at once) and its
+cast-up copy is ``grads``; an accumulator of the reduce dtype (no sync) is ``grads``.
 
 Note [GPUs]: nothing here is device-specific -- buffers are made with ``new_empty`` on the
 parameters' device, the collectives take the mesh's process group (NCCL on GPUs) -- but this
@@ -58,8 +62,9 @@ has only been run on CPU/gloo. On GPUs a blocking NCCL call only makes the curre
 for the collective, so copy-out, freeing and the next kernels are ordered on that stream, and
 c10d keeps a collective's tensors from being reused by the caching allocator before NCCL is
 done with them.
-Everything runs on the current stream: no overlap of communication with compute, which is
-chapter 06's (torch uses separate all-gather and reduce-scatter streams and events).
+Everything runs on the current stream; overlapping communication with compute is chapter 06's
+prefetching (Note [prefetch on GPUs] in ``prefetch.py``: what torch does with its separate
+all-gather streams and events, and what we do instead).
 
 Note [accumulating without communication]: ``set_requires_gradient_sync(False)`` (FSDP's
 ``no_sync``) skips the reduce-scatter: each parameter keeps its *unsharded* gradient, and the
@@ -74,11 +79,17 @@ from enum import Enum, auto
 
 import torch
 import torch.nn as nn
-from torch.distributed import ReduceOp
 from torch.distributed.device_mesh import DeviceMesh
 
 from minifsdp import comm
 from minifsdp.fsdp2.fsdp_param import FSDPParam, Owners
+from minifsdp.fsdp2.mixed_precision import (
+    MixedPrecisionPolicy,
+    check_backend,
+    divide_if_needed,
+    gradient_divide_factors,
+    group_dtypes,
+)
 from minifsdp.memory import tag
 
 
@@ -109,6 +120,8 @@ class FSDPParamGroup:
         reshard_after_forward: free the unsharded parameters after forward (and all-gather
             again in backward); ``None``: decided at lazy init, True except for the root.
         name: for communication tags, e.g. ``"blocks.0"`` (set at lazy init).
+        mp_policy: the dtypes (Note [mixed precision] in ``mixed_precision.py``); ``None``:
+            none, as ``MixedPrecisionPolicy()``.
 
     Example (inside a torchrun worker, N ranks)::
 
@@ -118,11 +131,16 @@ class FSDPParamGroup:
     """
 
     def __init__(self, params: list[tuple[nn.Parameter, Owners]], mesh: DeviceMesh,
-                 reshard_after_forward: bool | None, name: str):
-        if len({p.dtype for p, _ in params}) > 1:
-            raise ValueError("one group gathers its parameters in one flat buffer: they must "
-                             "share a dtype (mixed precision is a later chapter)")
-        self.fsdp_params = [FSDPParam(p, owners, mesh) for p, owners in params]
+                 reshard_after_forward: bool | None, name: str,
+                 mp_policy: MixedPrecisionPolicy | None = None):
+        self.mp_policy = mp_policy or MixedPrecisionPolicy()
+        # check the dtypes before FSDPParam replaces any parameter: an error leaves the
+        # module as it was
+        named = [(f"{type(owners[0][0]).__name__}.{owners[0][1]}", p.dtype, p.requires_grad)
+                 for p, owners in params]
+        self.dtypes = group_dtypes(named, self.mp_policy, name)
+        check_backend(self.dtypes, mesh.get_group(), mesh.device_type, name)
+        self.fsdp_params = [FSDPParam(p, owners, mesh, self.mp_policy) for p, owners in params]
         self.mesh, self.process_group = mesh, mesh.get_group()
         self.rank, self.world_size = mesh.get_local_rank(), mesh.size()
         self.reshard_after_forward, self.name = reshard_after_forward, name
@@ -136,6 +154,13 @@ class FSDPParamGroup:
         needs them first thing); refuse parameters still on the meta device."""
         if self.reshard_after_forward is None:
             self.reshard_after_forward = not is_root
+        # the shards' dtype may have changed since fully_shard (torch re-resolves here too)
+        for p in self.fsdp_params:
+            p.init_dtype_attrs(self.mp_policy)
+        named = [(repr(p), p.orig_dtype, p.sharded_param.requires_grad)
+                 for p in self.fsdp_params]
+        self.dtypes = group_dtypes(named, self.mp_policy, self.name)
+        check_backend(self.dtypes, self.process_group, self.mesh.device_type, self.name)
         meta = [p for p in self.fsdp_params if p.is_meta]
         if meta:
             raise RuntimeError(
@@ -145,28 +170,64 @@ class FSDPParamGroup:
 
     # ---- unshard: all-gather -----------------------------------------------------------------
 
-    def unshard(self) -> None:
-        """All-gather the group: afterwards the modules hold full, plain parameters."""
-        if self.sharded_state is ShardedState.UNSHARDED:
+    # The all-gather between ``unshard`` and ``wait_for_unshard``: ``(work handle, group
+    # buffer)``, the handle ``None`` for a blocking call. A class-level default, so instances
+    # get it without a line in ``__init__``.
+    _in_flight: tuple[object, torch.Tensor] | None = None
+
+    def unshard(self, async_op: bool = False) -> None:
+        """All-gather the group: afterwards the modules hold the full, plain parameters. With
+        ``async_op=True`` only *issue* it (copy-in, async collective); ``wait_for_unshard()``
+        finishes it (torch's group-level ``unshard`` always leaves that to it). A no-op while
+        unsharded or in flight, so a prefetch and the group's own hook can both call it (Note
+        [issue and wait] in ``prefetch.py``)."""
+        if self.sharded_state is ShardedState.UNSHARDED or self._in_flight is not None:
             return
         my_slot, gathered = self._all_gather_copy_in()
-        comm.all_gather_into_tensor(gathered, my_slot, self.process_group,
-                                    tag=f"fsdp2 params {self.name}")
+        work = comm.all_gather_into_tensor(gathered, my_slot, self.process_group, async_op,
+                                           tag=f"fsdp2 params {self.name}")
+        self._in_flight = (work, gathered)
+        if not async_op:
+            self.wait_for_unshard()
+
+    def wait_for_unshard(self) -> None:
+        """Finish the all-gather that ``unshard`` issued: wait for it, copy out, register the
+        unsharded parameters. A no-op when none is in flight. The group buffer is held until
+        its copy-out is issued, then freed (Note [prefetch on GPUs] in ``prefetch.py``)."""
+        if self._in_flight is None:
+            return
+        work, gathered = self._in_flight
+        if work is not None:
+            work.wait()  # gloo: blocks until done; NCCL: makes the current stream wait
         self._all_gather_copy_out(gathered)
+        _free(gathered)
         for p in self.fsdp_params:
             p.to_unsharded()
         self.sharded_state = ShardedState.UNSHARDED
+        self._in_flight = None
+
+    def discard_unshard(self) -> None:
+        """Wait for an all-gather in flight and throw its result away; the group stays as it
+        is. Every rank issued the collective, so it must complete (Note [mistargeted
+        prefetches] in ``prefetch.py``)."""
+        if self._in_flight is not None:
+            work, gathered = self._in_flight
+            if work is not None:
+                work.wait()
+            _free(gathered)
+            self._in_flight = None
 
     @torch.no_grad()
     def _all_gather_copy_in(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Allocate the group buffer ``(N * S,)``, S = the padded shards' total numel, and copy
         this rank's padded shards into its slot r. Returns ``(slot r, buffer)``: the slot is a
-        view of the buffer, so the all-gather needs no separate input. (Mixed precision will
-        cast here: Note [copy-in and copy-out].)"""
+        view of the buffer, so the all-gather needs no separate input. The buffer has the
+        policy's ``param_dtype``, so the ``copy_`` into the slot is the mixed-precision cast
+        (Note [mixed precision]: fp32 shards in, half the bytes on the wire for bf16)."""
         inputs = [p.all_gather_input() for p in self.fsdp_params]
         slot_numel = sum(t.numel() for t in inputs)
-        gathered = inputs[0].new_empty(self.world_size * slot_numel)
-        tag(gathered, "comm")
+        gathered = inputs[0].new_empty(self.world_size * slot_numel, dtype=self.dtypes.gather)
+        tag(gathered, "comm", label="all-gather buffers")
         my_slot = gathered.narrow(0, self.rank * slot_numel, slot_numel)
         for dst, src in zip(my_slot.split([t.numel() for t in inputs]), inputs):
             dst.copy_(src)
@@ -181,7 +242,7 @@ class FSDPParamGroup:
         outs = []
         for p in self.fsdp_params:
             buf = p.alloc_unsharded()
-            tag(buf, "params")
+            tag(buf, "params", label=self.name)  # Note [labels] in minifsdp/memory.py
             outs.append(buf.view(self.world_size, -1))
         sizes = [p.padded_shard_numel for p in self.fsdp_params]
         with torch.autograd._unsafe_preserve_version_counter(tuple(outs)):
@@ -189,7 +250,9 @@ class FSDPParamGroup:
                                         out=outs)
 
     def reshard(self) -> None:
-        """Register the sharded DTensors again and free the unsharded storage."""
+        """Register the sharded DTensors again and free the unsharded storage (an all-gather
+        still in flight is waited for and dropped)."""
+        self.discard_unshard()
         if self.sharded_state is ShardedState.SHARDED:
             return
         for p in self.fsdp_params:
@@ -200,7 +263,8 @@ class FSDPParamGroup:
 
     def pre_forward(self) -> None:
         self.training_state = TrainingState.FORWARD
-        self.unshard()
+        self.unshard()  # a no-op if a prefetch issued it already ...
+        self.wait_for_unshard()  # ... which is then finished here
 
     def post_forward(self) -> None:
         if self.reshard_after_forward:
@@ -210,22 +274,25 @@ class FSDPParamGroup:
     def pre_backward(self) -> None:
         if self.training_state is not TrainingState.PRE_BACKWARD:
             self.training_state = TrainingState.PRE_BACKWARD
-            self.unshard()  # a no-op unless resharded after forward
+            self.unshard()  # a no-op unless resharded after forward (or prefetched)
+            self.wait_for_unshard()
 
     @torch.no_grad()
     def post_backward(self) -> None:
         """The group's backward is over: reshard, reduce-scatter the unsharded gradients into
         the sharded ``.grad`` (or keep them, Note [accumulating without communication])."""
         self.training_state = TrainingState.POST_BACKWARD
-        with_grad = [p for p in self.fsdp_params
-                     if p.unsharded_param is not None and p.unsharded_param.grad is not None]
+        for p in self.fsdp_params:  # Note [accumulating in the reduce dtype] (fsdp_param.py)
+            p.accumulate_unsharded_grad_if_needed()
+        with_grad = [p for p in self.fsdp_params if p.unsharded_accumulated_grad is not None or (
+                     p.unsharded_param is not None and p.unsharded_param.grad is not None)]
         if not self.reduce_grads:
             if self.reshard_after_backward:
                 self.reshard()
+            for p in with_grad:
+                p.to_accumulated_grad_if_needed()
             return
-        grads = [p.unsharded_param.grad for p in with_grad]
-        for p in with_grad:
-            p.unsharded_param.grad = None  # `grads` holds the only references now
+        grads = [p.take_unsharded_grad() for p in with_grad]  # now the only references
         if self.reshard_after_backward:
             self.reshard()  # before the copy-in: params and the buffer need not coexist
         if with_grad:
@@ -241,17 +308,25 @@ class FSDPParamGroup:
 
     def _reduce_scatter(self, params: list[FSDPParam], grads: list[torch.Tensor]) -> None:
         """Average the gradients over ranks, keeping this rank's rows of each as the sharded
-        parameter's ``.grad`` (a DTensor viewing the output), or adding into it."""
+        parameter's ``.grad`` (a DTensor viewing the output), or adding into it.
+
+        In the reduce dtype (the copy-in casts), averaged as torch does
+        (``gradient_divide_factors``: the backend's AVG for fp32 / bf16, else SUM between a
+        pre- and a post-division), then cast to the shards' dtype (Note [mixed precision])."""
         flat = self._reduce_scatter_copy_in(params, grads)
         grads.clear()  # the unsharded gradients die here
+        pre, post, op = gradient_divide_factors(self.world_size, flat.dtype)
+        divide_if_needed(flat, pre)
         out = flat.new_empty(flat.numel() // self.world_size)
-        tag(out, "grads")
-        # AVG like torch for fp32/bf16 (the collective divides; SUM at N = 1, where NCCL's AVG
-        # has been unreliable)
-        op = ReduceOp.AVG if self.world_size > 1 else ReduceOp.SUM
+        # the sharded grads view the output -- unless it is cast up below, then it is transient
+        tag(out, "grads" if out.dtype == self.dtypes.orig else "comm")
         comm.reduce_scatter_tensor(out, flat, op, self.process_group,
                                    tag=f"fsdp2 grads {self.name}")
         del flat
+        divide_if_needed(out, post)
+        if out.dtype != self.dtypes.orig:
+            out = out.to(self.dtypes.orig)  # e.g. a bf16 reduce: fp32 .grad for the optimizer
+            tag(out, "grads")
         offset = 0
         for p in params:
             mine = out[offset: offset + p.sharded_numel].view(p.sharded_size)
@@ -265,10 +340,13 @@ class FSDPParamGroup:
     def _reduce_scatter_copy_in(self, params: list[FSDPParam],
                                 grads: list[torch.Tensor]) -> torch.Tensor:
         """The gradients in rank-major order, ``(N * S,)``: slot r holds chunk r of every
-        gradient, each zero-padded to its padded shard size (S = their sum). (The reduce
-        dtype's cast goes here: Note [copy-in and copy-out].)"""
+        gradient, each zero-padded to its padded shard size (S = their sum), in the reduce
+        dtype: ``_chunk_cat`` casts as it copies (Note [mixed precision])."""
+        dtype = self.dtypes.reduce or grads[0].dtype
+        if len({g.dtype for g in grads}) > 1:  # fp32 accumulators next to fresh bf16 grads
+            grads[:] = [g.to(dtype) for g in grads]  # (torch refuses this case)
         slot_numel = sum(p.padded_shard_numel for p in params)
-        flat = grads[0].new_empty(self.world_size * slot_numel)
+        flat = grads[0].new_empty(self.world_size * slot_numel, dtype=dtype)
         tag(flat, "comm")
         torch._chunk_cat(grads, dim=0, num_chunks=self.world_size,
                          out=flat.view(self.world_size, slot_numel))
@@ -277,3 +355,12 @@ class FSDPParamGroup:
     def __repr__(self) -> str:
         return (f"FSDPParamGroup({self.name!r}, {len(self.fsdp_params)} params, "
                 f"{self.sharded_state.name}, {self.training_state.name})")
+
+
+def _free(gathered: torch.Tensor) -> None:
+    """Free an all-gather buffer after its copy-out, here and now (``resize_(0)``, not by
+    dropping our reference: gloo's worker thread still holds the tensor for a moment after
+    ``wait()``, which would make the free, and every measured peak, depend on thread timing).
+    Nothing views the buffer (Note [copy-in and copy-out]); on CUDA the allocator still orders
+    its reuse after the copy-out (Note [prefetch on GPUs] in ``prefetch.py``)."""
+    gathered.untyped_storage().resize_(0)

@@ -2,10 +2,11 @@
 
 FSDP2 changes no module's ``forward``; everything happens in hooks::
 
-    forward pre-hook    root: lazy init (first call).  unshard (all-gather).
-                        wrap the inputs in a post-backward barrier (below)
+    forward pre-hook    root: lazy init (first call).  unshard (all-gather) and wait.
+                        wrap the inputs in a post-backward barrier (below).  prefetch
     forward post-hook   reshard if reshard_after_forward.  hook the outputs: pre-backward
-    output grad hook    = pre-backward: unshard again (the group's backward is next);
+    output grad hook    = pre-backward: unshard again and wait (the group's backward is
+                        next), then prefetch (backward: the previous group, by default);
                         the first one also queues the end-of-backward callback
     group's backward    = post-backward (below): reshard, reduce-scatter the gradients
     end of backward     finalize every group (post-backward where it has not run), reset
@@ -27,7 +28,9 @@ relying on autograd running parameters' accumulate-grad nodes first; (a) alone i
 enough: a frozen layer at the start of a group still needs its weight for the input's
 gradient after every trainable parameter is done. The barrier also orders things well: its
 backward (block i's reshard) runs before the grad hook on block i's input, which is block
-i-1's output (its pre-backward unshard), so two blocks are never unsharded at once.
+i-1's output (its pre-backward unshard), so without prefetching two blocks are never
+unsharded at once (prefetching makes them overlap on purpose: Note [prefetch memory] in
+``prefetch.py``).
 If an event never comes -- a parameter unused in this backward, inputs that need no grad and
 no trainable parameter, a forward whose graph was dropped -- the counter stays above zero
 and the end-of-backward callback does the work. Counting can only err upwards (late, never
@@ -48,6 +51,7 @@ import torch.nn as nn
 from torch.autograd import Variable
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from minifsdp.fsdp2 import prefetch
 from minifsdp.fsdp2.fsdp_param_group import FSDPParamGroup, TrainingState
 from minifsdp.memory import tag
 
@@ -58,6 +62,13 @@ class _RootContext:
 
     states: list[FSDPState] = field(default_factory=list)  # named_modules order, root first
     callback_queued: bool = False
+    # prefetching (prefetch.py, Note [which group is next]): this forward's pre-forward order
+    # of groups, the last forward's, whether this one has matched it so far, and the
+    # post-forward order that backward reverses
+    forward_order: list[FSDPParamGroup] = field(default_factory=list)
+    last_forward_order: list[FSDPParamGroup] = field(default_factory=list)
+    on_track: bool = True
+    post_forward_order: list[FSDPParamGroup] = field(default_factory=list)
 
 
 class FSDPState:
@@ -78,6 +89,12 @@ class FSDPState:
         self._pending = 0  # backward events before post-backward may run (Note above)
         self._params_counted = False  # this backward's parameter events are in _pending
         self._hooked: set[int] = set()  # ids of unsharded params with our grad hook
+        # prefetching (prefetch.py): explicit targets, the implicit switches (torch's
+        # defaults), this group's places in ctx.post_forward_order
+        self.forward_prefetch: list[FSDPState] = []
+        self.backward_prefetch: list[FSDPState] = []
+        self.implicit_forward_prefetch, self.implicit_backward_prefetch = False, True
+        self.post_forward_indices: list[int] = []
         module.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True)
         module.register_forward_hook(self._post_forward)
         # a state dict holds the sharded DTensors: reshard first (e.g. after an eval
@@ -121,16 +138,22 @@ class FSDPState:
     def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         if self.is_root is None:
             self._lazy_init()
+        if self.is_root:
+            prefetch.begin_forward(self.ctx)
         self.training_state = TrainingState.FORWARD
         if self.group is not None:
             self.group.pre_forward()
             if torch.is_grad_enabled():
                 args, kwargs = self._register_post_backward(args, kwargs)
+        prefetch.after_pre_forward(self)  # after our own all-gather: issue the next
         return args, kwargs
 
     def _post_forward(self, module: nn.Module, args: tuple, output: Any) -> Any:
         if self.group is not None:
             self.group.post_forward()
+        prefetch.after_post_forward(self)
+        if self.is_root:
+            prefetch.end_forward(self.ctx)
         if torch.is_grad_enabled():
             for t in _tensors_requiring_grad(output):
                 t.register_hook(self._pre_backward)
@@ -146,6 +169,7 @@ class FSDPState:
             self.training_state = TrainingState.PRE_BACKWARD
             if self.group is not None:
                 self.group.pre_backward()
+            prefetch.after_pre_backward(self)  # after our own all-gather: issue the next
 
     def _register_post_backward(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         """Count this forward's backward events (Note [when is a group's backward over?])."""
@@ -192,6 +216,7 @@ class FSDPState:
                 state.group.finalize_backward()
             state.training_state = TrainingState.IDLE
             state._pending, state._params_counted = 0, False
+        prefetch.end_backward(self.ctx)
         self.ctx.callback_queued = False
 
 
