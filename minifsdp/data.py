@@ -162,23 +162,36 @@ class MarkovTokens(Dataset):
 
 
 def rank_loader(dataset: Dataset, local_batch: int, rank: int, world_size: int,
-                seed: int = 0) -> DataLoader:
+                seed: int = 0, start_batch: int = 0) -> DataLoader:
     """This rank's shard of ``dataset`` in batches of ``local_batch`` (shuffled by ``seed``).
 
     Every rank must pass the same ``seed``: the sampler draws one permutation and rank r
     takes every N-th index of it, so the shards are disjoint and cover the data.
+
+    ``start_batch = k`` resumes the epoch at its k-th batch: the same permutation, the first
+    ``k * local_batch`` indices dropped, so the skipped batches are never loaded (Note
+    [bitwise resume] in ``minifsdp.checkpoint``).
     """
     sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True,
                                  seed=seed, drop_last=True)
+    if start_batch:
+        # A DataLoader draws a base seed from the *global* generator each time an epoch's
+        # iterator starts; the uninterrupted run drew it at batch 0, so a resumed epoch must
+        # not draw again (or dropout masks shift): it gets a private generator.
+        return DataLoader(dataset, batch_size=local_batch, drop_last=True,
+                          sampler=list(sampler)[start_batch * local_batch:],
+                          generator=torch.Generator())
     return DataLoader(dataset, batch_size=local_batch, sampler=sampler, drop_last=True)
 
 
-def global_batch_loader(dataset: Dataset, local_batch: int, world_size: int, seed: int = 0):
+def global_batch_loader(dataset: Dataset, local_batch: int, world_size: int, seed: int = 0,
+                        start_batch: int = 0):
     """Yield, for one process, the concatenation of what ``world_size`` ranks would each load
     with ``rank_loader`` -- the global batch of an N-rank run. See Note [same global batch].
 
     Shapes: each yielded tensor has ``world_size * local_batch`` rows.
     """
-    loaders = [rank_loader(dataset, local_batch, r, world_size, seed) for r in range(world_size)]
+    loaders = [rank_loader(dataset, local_batch, r, world_size, seed, start_batch)
+               for r in range(world_size)]
     for parts in zip(*loaders):
         yield tuple(torch.cat(ts) for ts in zip(*parts))

@@ -117,20 +117,45 @@ def _fsdp1(model, info, args):
 
 @strategy("torch_fsdp2")
 def _torch_fsdp2(model, info, args):
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    return shard_bottom_up(fully_shard, model, info, args)
+    model = shard_bottom_up(fully_shard, model, info, args, MixedPrecisionPolicy)
+    return set_prefetch(model, args)  # explicit lists only: parse_args refuses the rest
 
 
-def shard_bottom_up(fully_shard, model, info, args):
+def shard_bottom_up(fully_shard, model, info, args, policy_cls=None):
     """``fully_shard`` (torch's or ours) on each of ``shard_units(model)``, children before the
-    root, then on the root, over a 1-D mesh of every rank."""
+    root, then on the root, over a 1-D mesh of every rank; ``policy_cls``: that
+    implementation's ``MixedPrecisionPolicy``, for ``--param-dtype`` and co."""
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh(info.device.type, (info.world_size,))
+    unit_mp, root_mp = mixed_precision_kwargs(args, policy_cls)
     for unit in shard_units(model):
-        fully_shard(unit, mesh=mesh, reshard_after_forward=args.reshard_after_forward)
-    return fully_shard(model, mesh=mesh, reshard_after_forward=args.reshard_after_forward)
+        fully_shard(unit, mesh=mesh, reshard_after_forward=args.reshard_after_forward,
+                    **unit_mp)
+    return fully_shard(model, mesh=mesh, reshard_after_forward=args.reshard_after_forward,
+                       **root_mp)
+
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def mixed_precision_kwargs(args, policy_cls) -> tuple[dict, dict]:
+    """``({"mp_policy": ...} or {}, same for the root)`` from ``--param-dtype``,
+    ``--reduce-dtype``, ``--output-dtype``: no flag, no policy at all. ``--output-dtype`` goes
+    to the root only: on a unit it would cast the unit's output -- the next unit's input --
+    e.g. back to fp32, which the root's bf16 layers after the units then refuse (torch's
+    ``output_dtype`` acts on every module it is given to; Note [mixed precision] in
+    ``minifsdp/fsdp2/mixed_precision.py``). The oracle for mixed precision is torch's
+    ``fully_shard`` with the same policy: ``single`` has no counterpart."""
+    names = (args.param_dtype, args.reduce_dtype, args.output_dtype)
+    if policy_cls is None or names == (None, None, None):
+        return {}, {}
+    param, reduce, output = (DTYPES[n] if n else None for n in names)
+    return ({"mp_policy": policy_cls(param_dtype=param, reduce_dtype=reduce)},
+            {"mp_policy": policy_cls(param_dtype=param, reduce_dtype=reduce,
+                                     output_dtype=output)})
 
 
 @strategy("ddp")
@@ -167,9 +192,30 @@ def _zero2(model, info, args):
 def _fsdp2(model, info, args):
     # torch_fsdp2's units and options, with minifsdp.fsdp2.fully_shard. Its parameters are
     # DTensors too, so save_full_params' get_model_state_dict gathers them as it does torch's.
-    from minifsdp.fsdp2 import fully_shard
+    from minifsdp.fsdp2 import MixedPrecisionPolicy, fully_shard
 
-    return shard_bottom_up(fully_shard, model, info, args)
+    model = shard_bottom_up(fully_shard, model, info, args, MixedPrecisionPolicy)
+    return set_prefetch(model, args)
+
+
+def set_prefetch(model, args):
+    """``--forward-prefetch`` / ``--backward-prefetch`` on a model that ``shard_bottom_up``
+    sharded (ours or torch's). ``explicit``: one unit ahead in ``shard_units`` order (our
+    models' forward order) -- in forward the root prefetches the first unit and unit i unit
+    i+1; in backward the root the last unit and unit i unit i-1. ``implicit`` / ``none``:
+    minifsdp's ``set_implicit_prefetch`` (Note [which group is next] in
+    minifsdp/fsdp2/prefetch.py); torch's defaults are forward none, backward implicit."""
+    units = shard_units(model)
+    if args.forward_prefetch == "explicit":
+        for module, nxt in zip([model, *units], units):
+            module.set_modules_to_forward_prefetch([nxt])
+    if args.backward_prefetch == "explicit":
+        for module, prev in zip([model, *units[::-1]], units[::-1]):
+            module.set_modules_to_backward_prefetch([prev])
+    if hasattr(model, "set_implicit_prefetch"):  # ours
+        model.set_implicit_prefetch(forward=args.forward_prefetch == "implicit",
+                                    backward=args.backward_prefetch == "implicit")
+    return model
 
 
 def shard_units(model: nn.Module) -> list[nn.Module]:
@@ -226,21 +272,75 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="GPT: the head shares the token embedding's weight")
     p.add_argument("--track-memory", type=int, default=0, metavar="K",
                    help="record the memory timeline of the first K steps")
+    p.add_argument("--torch-memtracker", action="store_true",
+                   help="torch_fsdp2: also measure the step after the --track-memory ones with "
+                        "torch's FSDPMemTracker (results: torch_memtracker)")
     p.add_argument("--eval", action="store_true", help="report test accuracy at the end")
     p.add_argument("--eval-samples", type=int, default=10_000,
                    help="evaluate on the first N test images (all 10,000 cost ~10 s on 1 core)")
     p.add_argument("--save-params", action="store_true",
                    help="rank 0 saves the full final parameters to <out>/params.pt")
+    p.add_argument("--checkpoint-dir", metavar="DIR", help="save sharded checkpoints "
+                   "(minifsdp.checkpoint) as DIR/step_NNNNNN after every --save-every steps "
+                   "and after the last step; DIR/latest names the newest")
+    p.add_argument("--save-every", type=int, default=0, metavar="K",
+                   help="with --checkpoint-dir: save after every K-th step too")
+    p.add_argument("--keep", type=int, default=2, metavar="K",
+                   help="with --checkpoint-dir: keep the K newest checkpoints")
+    p.add_argument("--resume", metavar="PATH", help="continue from a checkpoint: a "
+                   "--checkpoint-dir (its latest) or one step_NNNNNN directory, at any world "
+                   "size (bit for bit at the saving run's: Note [bitwise resume])")
+    p.add_argument("--kill-at-step", type=int, metavar="S",
+                   help="crash (SIGKILL, no clean exit) right after step S: resume tests")
+    p.add_argument("--kill-during-save", type=int, metavar="S",
+                   help="crash (SIGKILL) in the save after step S, once its files are written "
+                   "and before it is committed (Note [atomic save])")
+    p.add_argument("--kill-rank", type=int, metavar="R",
+                   help="--kill-*: only rank R kills itself (default: every rank)")
     p.add_argument("--reshard-after-forward", choices=["true", "false"], default=None,
                    type=str.lower, help="fsdp2, torch_fsdp2: free the unsharded parameters "
                    "after forward (default: true, except the root's, as torch 2.14)")
+    p.add_argument("--forward-prefetch", choices=["none", "implicit", "explicit"],
+                   default="none", help="fsdp2 (torch_fsdp2: explicit only): all-gather the "
+                   "next unit during this one's forward (default none, as torch)")
+    p.add_argument("--backward-prefetch", choices=["implicit", "explicit", "none"],
+                   default="implicit", help="fsdp2 (torch_fsdp2: not none): all-gather the next "
+                   "unit during this one's backward (default implicit, as torch)")
+    for flag, what in (("param", "all-gather, forward and backward (the unsharded parameters)"),
+                       ("reduce", "gradient reduce-scatter (default: --param-dtype)"),
+                       ("output", "root's floating-point outputs (default: as computed)")):
+        p.add_argument(f"--{flag}-dtype", choices=sorted(DTYPES), default=None,
+                       help=f"fsdp2, torch_fsdp2: mixed precision, the dtype of the {what}; "
+                       "no --*-dtype flag: no MixedPrecisionPolicy")
     args = p.parse_args(argv)
+    if (args.param_dtype, args.reduce_dtype, args.output_dtype) != (None, None, None) and (
+            args.strategy not in ("fsdp2", "torch_fsdp2")):
+        p.error("--param-dtype / --reduce-dtype / --output-dtype apply to --strategy fsdp2 and "
+                "torch_fsdp2 only (mixed precision's reference is torch_fsdp2 with the same "
+                "policy; single has no counterpart)")
+    if (args.forward_prefetch, args.backward_prefetch) != ("none", "implicit") and (
+            args.strategy not in ("fsdp2", "torch_fsdp2")):
+        p.error("--forward-prefetch / --backward-prefetch apply to --strategy fsdp2 and "
+                "torch_fsdp2 only")
+    if args.strategy == "torch_fsdp2" and args.forward_prefetch == "implicit":
+        p.error("--forward-prefetch implicit: torch's fully_shard has no such switch (on GPUs "
+                "its separate all-gather streams overlap the forward without one); use "
+                "explicit, or --strategy fsdp2")
+    if args.strategy == "torch_fsdp2" and args.backward_prefetch == "none":
+        p.error("--backward-prefetch none: torch's fully_shard always prefetches in backward "
+                "(implicitly, or its explicit lists); only --strategy fsdp2 can turn it off")
     if args.reshard_after_forward is not None:
         args.reshard_after_forward = args.reshard_after_forward == "true"
     if args.eval and args.model != "cnn":
         p.error("--eval needs --model cnn (the token data has no test set)")
     if args.strategy not in STRATEGIES:
         p.error(f"unknown --strategy {args.strategy!r}; choose from {sorted(STRATEGIES)}")
+    if (args.save_every or args.kill_during_save) and not args.checkpoint_dir:
+        p.error("--save-every / --kill-during-save need --checkpoint-dir")
+    if args.kill_during_save and not (args.kill_during_save == args.steps or (
+            args.save_every and args.kill_during_save % args.save_every == 0)):
+        p.error(f"--kill-during-save {args.kill_during_save}: no save after that step "
+                f"(--save-every {args.save_every}, --steps {args.steps})")
     return args
 
 
@@ -262,8 +362,12 @@ def make_optimizer(params, args: argparse.Namespace) -> torch.optim.Optimizer:
     return torch.optim.SGD(params, lr=args.lr)
 
 
-def make_batches(args: argparse.Namespace, info: DistInfo):
-    """Yield ``(inputs, targets)`` for this rank; see Note [same global batch]."""
+def make_batches(args: argparse.Namespace, info: DistInfo, start_step: int = 0):
+    """Yield ``(inputs, targets)`` for this rank; see Note [same global batch].
+
+    ``start_step = s`` starts at step s's batch without loading the ones before: batch
+    ``s mod E`` of epoch ``s // E``, E batches an epoch (Note [bitwise resume] in
+    ``minifsdp.checkpoint``)."""
     shards = args.data_shards or info.world_size
     if args.global_batch % shards:
         raise ValueError(f"--global-batch {args.global_batch} is not divisible by "
@@ -275,14 +379,14 @@ def make_batches(args: argparse.Namespace, info: DistInfo):
     else:
         ds = MarkovTokens(args.vocab_size, args.seq_len, seed=1234)
     local = args.global_batch // shards
-    epoch = 0
+    epoch, skip = divmod(start_step, len(rank_loader(ds, local, 0, shards)))
     while True:  # restart the loaders each epoch (sampler seed + epoch = a new shuffle)
         seed = args.seed + epoch
-        it = (global_batch_loader(ds, local, shards, seed) if args.strategy == "single"
-              else rank_loader(ds, local, info.rank, info.world_size, seed))
+        it = (global_batch_loader(ds, local, shards, seed, skip) if args.strategy == "single"
+              else rank_loader(ds, local, info.rank, info.world_size, seed, skip))
         for x, y in it:
             yield x.to(info.device), y.to(info.device)
-        epoch += 1
+        epoch, skip = epoch + 1, 0
 
 
 def loss_fn(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -357,13 +461,18 @@ def main(argv: list[str] | None = None) -> None:
         model, opt = setup
     else:
         model, opt = setup, make_optimizer(setup.parameters(), args)
-    batches = make_batches(args, info)
+    ckpt = {"start_step": 0, "resumed_from": None, "checkpoints": []}
+    if args.resume:
+        ckpt.update(resume(args, model, opt))
+    start = ckpt["start_step"]
+    batches = make_batches(args, info, start)
 
     micro = (args.data_shards or 1) if args.strategy == "single" and not args.full_batch else 1
     log = comm.comm_log()
     log.clear()
-    losses, step_times, memory = [], [], []
-    for step in range(args.steps):
+    losses, step_times, memory, torch_mem = [], [], [], None
+    layout = param_layout(model)
+    for step in range(start, args.steps):
         x, y = next(batches)
         tracker = None
         if step < args.track_memory:
@@ -375,23 +484,119 @@ def main(argv: list[str] | None = None) -> None:
                 tracker.register((x, y), "activations")  # the first layer saves the batch
                 loss = train_step(model, opt, x, y, tracker, micro)
             memory.append(tracker.to_dict())
+        elif args.torch_memtracker and step == args.track_memory:
+            torch_mem = torch_memtracker_step(model, opt, x, y, micro)
+            loss = torch_mem.pop("loss")
         else:
             loss = train_step(model, opt, x, y, micro_batches=micro)
-        step_times.append(time.perf_counter() - t0)
+        step_times.append(time.perf_counter() - t0)  # tracked steps are slower: not timings
         losses.append(global_mean(loss, info))
         report_progress(step + 1, args.steps, loss=losses[-1])
+        after_step(step + 1, args, info, model, opt, ckpt, losses)
 
     results = {
         "strategy": args.strategy, "model": args.model, "rank": info.rank,
         "world_size": info.world_size, "device": str(info.device), "backend": info.backend,
         "num_params": n_params, "config": vars(args), "losses": losses,
         "step_times": step_times, "memory": memory, "comm": log.to_list(),
+        "param_layout": layout, "torch_memtracker": torch_mem,
     }
+    # which steps these losses are, so a resumed run's curve continues the killed one's
+    results.update(ckpt, steps=list(range(start + 1, start + len(losses) + 1)), finished=True)
     if args.eval:
         results.update(evaluate(model, info, args.eval_samples))
     if args.save_params:
         save_full_params(model, info)
     finish(results)
+
+
+def resume(args: argparse.Namespace, model: nn.Module, opt: torch.optim.Optimizer) -> dict:
+    """``--resume``: load the checkpoint into ``model`` and ``opt`` (any world size) and
+    return where to continue: ``{"start_step", "resumed_from", "load_s", "rng_restored"}``."""
+    from minifsdp.checkpoint import load_checkpoint
+
+    t0 = time.perf_counter()
+    loaded = load_checkpoint(args.resume, model, opt)
+    for key in ("global_batch", "seed"):  # the data position means nothing otherwise
+        saved = loaded["extra"].get(key, getattr(args, key))
+        if saved != getattr(args, key):
+            raise ValueError(f"--resume {loaded['path']}: saved with --{key.replace('_', '-')} "
+                             f"{saved}, this run has {getattr(args, key)}: the resumed run "
+                             "would not see the data the saved one would have")
+    return {"start_step": loaded["step"], "resumed_from": str(loaded["path"]),
+            "load_s": time.perf_counter() - t0, "rng_restored": loaded["rng_restored"]}
+
+
+def after_step(done: int, args: argparse.Namespace, info: DistInfo, model: nn.Module,
+               opt: torch.optim.Optimizer, ckpt: dict, losses: list[float]) -> None:
+    """After ``done`` steps: save a checkpoint if one is due (``--checkpoint-dir``,
+    ``--save-every``, the last step) and write this rank's results so far, so a run that
+    dies later still reports its steps; then crash here if ``--kill-at-step`` says so."""
+    from minifsdp.checkpoint import rank_bytes, save_checkpoint
+    from minifsdp.dist import save_results
+
+    if args.checkpoint_dir and (done == args.steps or (args.save_every
+                                                       and done % args.save_every == 0)):
+        t0 = time.perf_counter()
+        crash = (lambda _: _kill(args, info)) if args.kill_during_save == done else None
+        path = save_checkpoint(args.checkpoint_dir, model, opt, step=done, keep=args.keep,
+                               before_commit=crash,
+                               extra={"strategy": args.strategy, "model": args.model,
+                                      "global_batch": args.global_batch, "seed": args.seed})
+        ckpt["checkpoints"].append({"step": done, "path": str(path),
+                                    "save_s": time.perf_counter() - t0,
+                                    "bytes": rank_bytes(path, info.rank)})
+        start = ckpt["start_step"]
+        save_results({"strategy": args.strategy, "model": args.model, "rank": info.rank,
+                      "world_size": info.world_size, "config": vars(args),
+                      "losses": losses, "steps": list(range(start + 1, done + 1)),
+                      **ckpt, "finished": False})
+    if args.kill_at_step == done:
+        _kill(args, info)
+
+
+def _kill(args: argparse.Namespace, info: DistInfo) -> None:
+    """A real crash: SIGKILL runs no handler, flushes nothing, writes no results."""
+    import os
+    import signal
+    import sys
+
+    if args.kill_rank is None or args.kill_rank == info.rank:
+        sys.stdout.flush()
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def param_layout(model: nn.Module) -> list[dict]:
+    """What this rank's model holds as parameters: name, class, logical shape and the local
+    (physical) shape -- e.g. ``{"name": "blocks.0.mlp.fc.weight", "type": "DTensor",
+    "shape": [1024, 256], "local_shape": [512, 256], "placements": "(Shard(dim=0),)"}``
+    under FSDP2 at N = 2, or one flat 1-D shard per unit under FSDP1."""
+    from torch.distributed.tensor import DTensor
+
+    out = []
+    for name, p in model.named_parameters():
+        local = p.to_local() if isinstance(p, DTensor) else p
+        out.append({"name": name, "type": type(p).__name__,
+                    "shape": list(p.shape), "local_shape": list(local.shape),
+                    "placements": str(p.placements) if isinstance(p, DTensor) else None})
+    return out
+
+
+def torch_memtracker_step(model, opt, x, y, micro_batches: int) -> dict:
+    """One training step under torch's ``FSDPMemTracker`` (torch ``fully_shard`` models only).
+    Returns its peak per category in bytes, ``"Total"`` included, and the step's ``loss``."""
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+    from torch.distributed.fsdp import FSDPModule
+
+    if not isinstance(model, FSDPModule):
+        raise ValueError("--torch-memtracker needs a model sharded by torch's fully_shard "
+                         f"(--strategy torch_fsdp2), got {type(model).__name__}")
+    mt = FSDPMemTracker(model, opt)
+    mt.track_inputs((x, y))
+    with mt:
+        loss = train_step(model, opt, x, y, micro_batches=micro_batches)
+    (peak,) = mt.get_tracker_snapshot("peak").values()  # one device
+    return {"loss": loss, **{str(getattr(k, "value", k)): v for k, v in peak.items()}}
 
 
 def save_full_params(model: nn.Module, info: DistInfo) -> None:
