@@ -18,6 +18,35 @@ the process group, and raise ``WorkerTimeout`` showing where every rank was stuc
 Note [standalone]: ``--standalone`` starts a private rendezvous on a free port, so two
 notebooks (or two pytest workers) can launch jobs at the same time. Multi-node jobs are
 launched by hand with ``--nnodes``/``--rdzv-endpoint`` (see README); the workers are the same.
+``torchrun_multinode`` simulates them on this machine (Note [multi-node]).
+
+Note [multi-node]: a multi-node job is one torchrun launcher per node, all started with the
+same ``--nnodes``, ``--rdzv-backend c10d``, ``--rdzv-endpoint HOST:PORT`` and ``--rdzv-id``.
+The launcher on HOST serves a TCPStore at PORT; every launcher joins the rendezvous there,
+which numbers the nodes (group ranks) in sorted (host, launcher pid) order -- with c10d,
+``--node-rank`` is ignored (torch warns) -- and gives each worker ``RANK = group_rank *
+nproc_per_node + LOCAL_RANK`` and the ``MASTER_ADDR``/``MASTER_PORT`` of the process group's
+store. ``--nnodes`` is an elastic range (``MIN:MAX``), so a mismatch is not an error:
+measured, one of two launchers given ``--nnodes 3`` joins a world of 2 once the other closes
+the rendezvous at its count; launchers at *different* endpoints each wait ``join_timeout`` and
+fail with ``RendezvousTimeoutError``. ``torchrun_multinode`` starts the launchers on
+localhost; on a cluster (e.g. 2 nodes x 8 GPUs) one runs on each node::
+
+    torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d \\
+        --rdzv-endpoint $MASTER_ADDR:29500 --rdzv-id $JOB_ID -m minifsdp.train ...
+
+(under Slurm: ``srun --nodes 2 --ntasks-per-node 1 torchrun ...`` with MASTER_ADDR the first
+host of ``scontrol show hostnames $SLURM_JOB_NODELIST`` and ``--rdzv-id $SLURM_JOB_ID``). What
+the simulation does not show: (1) NCCL, not gloo over loopback -- NVLink inside a node,
+InfiniBand/RoCE or TCP between nodes, so inter-node bandwidth (tens of GB/s per GPU against
+hundreds inside a node) sets the step time (``minifsdp.scale``); (2) network setup -- the
+rendezvous HOST:PORT must be reachable from every node (firewalls), ``NCCL_SOCKET_IFNAME`` /
+``GLOO_SOCKET_IFNAME`` pick the interface (e.g. ``eth0``, not ``lo`` or ``docker0``),
+``NCCL_IB_HCA`` the InfiniBand adapters, ``NCCL_DEBUG=INFO`` prints what NCCL chose; (3) the
+same code, environment and data on every node, and a shared file system for
+``MINIFSDP_OUT`` (else each node keeps its own ranks' JSON); (4) ``perf_counter`` times in
+the comm logs of different machines are not on one clock; (5) a dead node: gloo's peers fail
+at once on the broken connection, NCCL's wait for the collective timeout (``pg_timeout``).
 """
 
 from __future__ import annotations
@@ -27,6 +56,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -195,6 +225,140 @@ def torchrun_all(jobs: dict[str, tuple[str, int, tuple]], *, parallel: int = 2,
             pool.shutdown(cancel_futures=True)
             raise
     return {k: results[k] for k in jobs}
+
+
+def torchrun_multinode(
+    target: str,
+    *args: Any,
+    nnodes: int = 2,
+    nproc_per_node: int = 1,
+    name: str | None = None,
+    chapter: str = "adhoc",
+    timeout: float = 300.0,
+    join_timeout: float = 60.0,
+    grace: float = 20.0,
+    pg_timeout: float | None = None,
+    env: dict[str, str] | None = None,
+    node_options: list[tuple] | None = None,
+) -> RunResult:
+    """Run ``target`` as ``nnodes`` separate torchrun launchers on this machine -- the way
+    ``nnodes`` machines would -- meeting at one c10d rendezvous; return every rank's JSON.
+
+    Each "node" is a ``python -m torch.distributed.run --nnodes N --nproc-per-node K
+    --rdzv-backend c10d --rdzv-endpoint localhost:PORT --rdzv-id ID`` of its own (a free
+    port, a fresh id); its workers get global ``RANK`` = group rank * K + ``LOCAL_RANK``. Results
+    go to ``runs/<chapter>/<name>/rank{r}.json`` (a directory every node can write: a shared
+    file system, here trivially), logs to ``.../logs/node{i}/``. As with ``torchrun``: the first
+    failing rank's traceback is raised as ``WorkerError``, and nothing outlives ``timeout``.
+
+    On a real cluster, the same command on each node (Note [multi-node]), e.g. 2 nodes x 8 GPUs::
+
+        # on both nodes; MASTER_ADDR = node 0's address, reachable from node 1
+        torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d \\
+            --rdzv-endpoint $MASTER_ADDR:29500 --rdzv-id $JOB_ID \\
+            -m minifsdp.train --strategy fsdp2 --model gpt --steps 100
+
+    Args:
+        nnodes, nproc_per_node: launchers, and workers per launcher (world = their product).
+        timeout: seconds for the whole job (``WorkerTimeout``, every rank's stack shown).
+        join_timeout: seconds a launcher waits at the rendezvous for the others (a node
+            that never comes raises then, in the launchers that did).
+        grace: once a launcher has failed, seconds the others get to fail on their own
+            (a peer's gloo connection breaks at once; NCCL waits for ``pg_timeout``) before
+            they are killed.
+        node_options: extra torchrun options per node, after ours (argparse keeps the last
+            occurrence), e.g. ``[(), ("--nnodes", 3)]`` to misconfigure node 1.
+        name, chapter, pg_timeout, env: as for ``torchrun``.
+
+    Example:
+        >>> run = torchrun_multinode("minifsdp.train", "--strategy", "fsdp2", "--model", "gpt",
+        ...                          nnodes=2, nproc_per_node=1)    # doctest: +SKIP
+        >>> run.ranks[1]["losses"]                                  # doctest: +SKIP
+    """
+    name = name or re.sub(r"\W+", "_", Path(target).stem if target.endswith(".py") else target)
+    out_dir = repo_root() / "runs" / chapter / name
+    shutil.rmtree(out_dir, ignore_errors=True)
+    with socket.socket() as s:  # a free port for the rendezvous store (node 0's, in real life)
+        s.bind(("localhost", 0))
+        port = s.getsockname()[1]
+    run_id = f"{name}-{os.getpid()}-{time.time_ns()}"
+    child_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
+                 "MINIFSDP_OUT": str(out_dir), **(env or {})}
+    child_env["PYTHONPATH"] = os.pathsep.join(
+        p for p in (str(Path(__file__).resolve().parent.parent), child_env.get("PYTHONPATH")) if p
+    )
+    if pg_timeout is not None:
+        child_env["MINIFSDP_PG_TIMEOUT"] = str(pg_timeout)
+    worker = [target] if target.endswith(".py") else ["-m", target]
+    log_dirs, procs = [], []
+    t0 = time.perf_counter()
+    for i in range(nnodes):
+        log_dirs.append(out_dir / "logs" / f"node{i}")
+        log_dirs[-1].mkdir(parents=True)
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nnodes),
+               "--nproc-per-node", str(nproc_per_node), "--rdzv-backend", "c10d",
+               "--rdzv-endpoint", f"localhost:{port}", "--rdzv-id", run_id,
+               "--rdzv-conf", f"join_timeout={int(join_timeout)}", "--max-restarts", "0",
+               "--redirects", "3", "--log-dir", str(log_dirs[-1]), "--monitor-interval", "0.1",
+               *[str(a) for a in (node_options[i] if node_options else ())],
+               *worker, *[str(a) for a in args]]
+        with open(out_dir / "logs" / f"launcher{i}.txt", "w") as f:  # a file: never blocks
+            procs.append(subprocess.Popen(cmd, env=child_env, stdout=f, stderr=subprocess.STDOUT,
+                                          stdin=subprocess.DEVNULL, start_new_session=True))
+
+    def logs(stream: str) -> dict[int, str]:
+        # Note [multi-node]: c10d numbers the nodes by (host, launcher pid), not --node-rank.
+        order = sorted(range(nnodes), key=lambda i: procs[i].pid)
+        return {order.index(i) * nproc_per_node + local: text for i in range(nnodes)
+                for local, text in _read_logs(log_dirs[i], stream).items()}
+
+    def launcher_out(i: int) -> str:
+        return (out_dir / "logs" / f"launcher{i}.txt").read_text(errors="replace")
+
+    outs: dict[int, str] = {}  # node -> launcher output, in the order they ended
+    deadline, failed_at = time.monotonic() + timeout, None
+    try:
+        while len(outs) < nnodes:
+            for i, p in enumerate(procs):
+                if i not in outs and p.poll() is not None:
+                    outs[i] = launcher_out(i)
+                    if p.returncode and failed_at is None:
+                        failed_at = time.monotonic()
+            now = time.monotonic()
+            if now > deadline or (failed_at is not None and now > failed_at + grace):
+                break
+            time.sleep(0.1)
+    finally:  # a hang, a failure's survivors, or Ctrl-C: leave no launcher or worker behind
+        for i, p in enumerate(procs):
+            if p.poll() is None:
+                _dump_stacks_and_kill(p, log_dirs[i])
+                outs.setdefault(i, launcher_out(i))
+    wall = time.perf_counter() - t0
+
+    bad = [i for i in outs if procs[i].returncode]  # in the order they ended
+    if failed_at is None and bad:  # timed out, nobody had failed before: killed by us
+        errs = logs("stderr")
+        stacks = "\n".join(f"----- rank {r} -----\n{_tail(t, 40) or _SILENT}"
+                           for r, t in sorted(errs.items()))
+        raise WorkerTimeout(f"{name}: {nnodes}-node job did not finish within {timeout:.0f} s; "
+                            f"every rank was stopped. Where each rank was:\n{stacks}", None, errs)
+    if bad:
+        err = _worker_error(name, outs[bad[0]], logs("stderr"), procs[bad[0]].returncode)
+        if err.rank is None:  # no worker failed: the launchers themselves did, e.g. rendezvous
+            last = {i: (outs[i].strip().splitlines() or ["(no output)"])[-1] for i in bad}
+            raise WorkerError(
+                f"{name}: node(s) {bad} failed before any worker did -- "
+                + "; ".join(f"node {i}: {line}" for i, line in last.items())
+                + f". A RendezvousTimeoutError means the {nnodes} launchers did not all meet "
+                f"within join_timeout={join_timeout:.0f} s: check that every node has the same "
+                "--rdzv-endpoint (reachable from all) and --rdzv-id, and that all were started."
+                f"\nNode {bad[0]}'s launcher:\n{_tail(outs[bad[0]], 30)}", None, err.logs)
+        raise WorkerError(f"node {bad[0]} of {nnodes}: {err}", err.rank, err.logs)
+    ranks = []
+    for r in range(nnodes * nproc_per_node):
+        path = out_dir / f"rank{r}.json"
+        ranks.append(json.loads(path.read_text()) if path.exists() else None)
+    return RunResult(name, out_dir, ranks, logs("stdout"), wall)
 
 
 def _wait(proc: subprocess.Popen, timeout: float, bar: _ProgressBar | None) -> str:
