@@ -82,10 +82,13 @@ def plot_label_timeline(memory: Mapping, ax=None, title="Live memory by label"):
     tl = memory["timeline"]
     names = [n for n in dict.fromkeys(k for s in tl for k in s.get("labels") or {})
              if any((s.get("labels") or {}).get(n, 0) for s in tl)]
+    # buffers (e.g. FSDP2's all-gather buffers) on top, in grey: they are in transit
+    names.sort(key=lambda n: n.endswith("buffers"))
     ys = [[(s.get("labels") or {}).get(n, 0) / MiB for s in tl] for n in names]
     cmap = plt.get_cmap("tab10")
     ax.stackplot(range(len(tl)), *ys, labels=names, step="post", alpha=0.85,
-                 colors=[cmap(k % 10) for k in range(len(names))])
+                 colors=["0.65" if n.endswith("buffers") else cmap(k % 10)
+                         for k, n in enumerate(names)])
     top = max([sum(col) for col in zip(*ys)] or [1])
     for k, (start, end, phase) in enumerate(_phase_spans([_coarse(s["phase"]) for s in tl])):
         ax.axvspan(start, end, color="0.93" if k % 2 else "white", zorder=0)
