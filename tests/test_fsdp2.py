@@ -270,16 +270,21 @@ def test_peak_memory_under_the_bound_and_next_to_torch(train_run, n, model, vari
         assert end["optimizer"] <= b["OSs"]
 
 
-# Measured (N = 2, step 2 under our tracker, step 3 under torch's FSDPMemTracker, both ranks):
-# CNN equal byte for byte; tied GPT (d_model 32) equal. The chapter-05 GPT (d_model 256, seq 32,
-# AdamW) differs by 131,072 B (0.3%) -- one (4, 32, 256) fp32 tensor -- so: within 1%.
+# Measured (N = 2, step 2 under our tracker, step 3 under torch's FSDPMemTracker): CNN and tied
+# GPT (d_model 32) equal byte for byte; the chapter-05 GPT (d_model 256, seq 32, AdamW) differs by
+# 131,072 B (0.3%) -- one (4, 32, 256) fp32 tensor. torch's own per-rank peak is not reproducible
+# (see the peak test above: a buffer dies on gloo's thread), on either tracker, so the peaks are
+# compared by their lowest rank; the sharded parameters and optimizer state must match exactly.
 @pytest.mark.parametrize("model", ["cnn", "gpt"])
 def test_our_tracker_agrees_with_torch_fsdp_memtracker(train_run, model):
     run, _ = train_run(2, model, "", "torch_fsdp2")
-    for r in range(2):
-        mem, theirs = run.ranks[r]["memory"][TRACKED - 1], run.ranks[r]["torch_memtracker"]
-        assert abs(mem["peak"] - theirs["Total"]) <= 0.01 * theirs["Total"], (r, mem, theirs)
-        assert theirs["OptState"] == mem["timeline"][-1]["optimizer"]
+    ours = min(r["memory"][TRACKED - 1]["peak"] for r in run.ranks)
+    theirs = min(r["torch_memtracker"]["Total"] for r in run.ranks)
+    assert abs(ours - theirs) <= 0.01 * theirs, (ours, theirs)
+    for r in run.ranks:
+        end = r["memory"][TRACKED - 1]["timeline"][-1]  # the end of our tracked step: at rest
+        assert r["torch_memtracker"]["OptState"] == end["optimizer"]
+        assert r["torch_memtracker"]["Sharded Param"] == end["params"]
 
 
 def test_param_layout_shows_logical_and_physical_shapes(train_run):
