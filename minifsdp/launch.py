@@ -149,14 +149,7 @@ def torchrun(
            "--monitor-interval", "0.1"]
     cmd += [target] if target.endswith(".py") else ["-m", target]
     cmd += [str(a) for a in args]
-    child_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
-                 "MINIFSDP_OUT": str(out_dir), **(env or {})}
-    # Workers must import *this* minifsdp even when the notebook's cwd is notebooks/.
-    child_env["PYTHONPATH"] = os.pathsep.join(
-        p for p in (str(Path(__file__).resolve().parent.parent), child_env.get("PYTHONPATH")) if p
-    )
-    if pg_timeout is not None:
-        child_env["MINIFSDP_PG_TIMEOUT"] = str(pg_timeout)
+    child_env = _worker_env(out_dir, env, pg_timeout)
 
     if progress is None:  # a terminal or a notebook: someone is watching
         progress = sys.stderr.isatty() or "ipykernel" in sys.modules
@@ -282,13 +275,7 @@ def torchrun_multinode(
         s.bind(("localhost", 0))
         port = s.getsockname()[1]
     run_id = f"{name}-{os.getpid()}-{time.time_ns()}"
-    child_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
-                 "MINIFSDP_OUT": str(out_dir), **(env or {})}
-    child_env["PYTHONPATH"] = os.pathsep.join(
-        p for p in (str(Path(__file__).resolve().parent.parent), child_env.get("PYTHONPATH")) if p
-    )
-    if pg_timeout is not None:
-        child_env["MINIFSDP_PG_TIMEOUT"] = str(pg_timeout)
+    child_env = _worker_env(out_dir, env, pg_timeout)
     worker = [target] if target.endswith(".py") else ["-m", target]
     log_dirs, procs = [], []
     t0 = time.perf_counter()
@@ -359,6 +346,21 @@ def torchrun_multinode(
         path = out_dir / f"rank{r}.json"
         ranks.append(json.loads(path.read_text()) if path.exists() else None)
     return RunResult(name, out_dir, ranks, logs("stdout"), wall)
+
+
+def _worker_env(out_dir: Path, env: dict[str, str] | None,
+                pg_timeout: float | None) -> dict[str, str]:
+    """The workers' environment: one thread each (ranks share the cores), results into
+    ``out_dir``, and *this* checkout's minifsdp first on the path (a notebook's cwd is
+    notebooks/)."""
+    child_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
+                 "MINIFSDP_OUT": str(out_dir), **(env or {})}
+    child_env["PYTHONPATH"] = os.pathsep.join(
+        p for p in (str(Path(__file__).resolve().parent.parent), child_env.get("PYTHONPATH")) if p
+    )
+    if pg_timeout is not None:
+        child_env["MINIFSDP_PG_TIMEOUT"] = str(pg_timeout)
+    return child_env
 
 
 def _wait(proc: subprocess.Popen, timeout: float, bar: _ProgressBar | None) -> str:
