@@ -11,10 +11,35 @@ Note [dropout and parity]: dropout draws a random mask per sample. A single proc
 training on the global batch draws *one* mask for all samples; N data-parallel ranks draw N
 masks from N generators. The two runs are then different computations, so parity tests build
 the models with ``dropout=0.0``. Nothing else in these models is random after init.
+
+Note [activation checkpointing]: ``apply_activation_checkpointing(gpt)`` runs each block's
+``attn`` and ``mlp`` under ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)``.
+Forward then keeps, of each region, only its input (the LayerNorm's output, which the
+checkpoint holds); the tensors the region's ops would save (q, k, v, the attention output,
+the 4C-wide MLP hidden, dropout masks, ...) are dropped and recomputed by re-running the
+region's forward when backward first needs one. The price is one more forward of attn and
+mlp per step; the saving is most of a block's activations (tests/test_fsdp2_hsdp.py
+measures both peaks). It replaces the *instance's* ``forward`` -- no wrapper module, so
+parameter names and state-dict keys are unchanged (torch's ``checkpoint_wrapper`` would add
+``_checkpoint_wrapped_module.``). Dropout still matches bit for bit: the checkpoint saves the
+RNG state at the region's forward and replays it, in a forked RNG, for the recomputation.
+
+Why the regions sit strictly *inside* a Block, FSDP's unit: the recomputation calls the
+region's forward function, not ``Block.__call__``, so none of FSDP's module hooks -- all on
+the Block and the root -- run again inside backward. The Block's pre-backward hook (on its
+output) has already all-gathered its parameters before any of its backward nodes runs, and
+the recomputed ops read the parameters registered on the modules right then: the same
+unsharded tensors that forward used. Checkpointing a *whole* unit (``checkpoint(block, x)``)
+would re-run ``Block.__call__`` in backward, i.e. our forward pre- and post-hooks: the
+post-hook would reshard (free) the parameters the recomputed graph has just saved, and the
+pre-hook would add a post-backward event that never comes. torch's FSDP2 handles that case
+(its hooks return early in ``TrainingState.PRE_BACKWARD``, only unsharding if needed);
+minifsdp's fsdp1 and fsdp2 do not -- nor do they detect or refuse it: don't.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import asdict, dataclass
 
@@ -171,6 +196,38 @@ class GPT(nn.Module):
         for block in self.blocks:
             x = block(x)
         return self.head(self.ln_f(x))
+
+
+# ---- activation checkpointing --------------------------------------------------------------
+
+def apply_activation_checkpointing(model: GPT) -> GPT:
+    """Recompute every block's ``attn`` and ``mlp`` in backward instead of saving their
+    activations (Note [activation checkpointing]). In place; returns ``model``.
+
+    Example:
+        >>> model = apply_activation_checkpointing(GPT(GPTConfig(n_layer=1, d_model=32)))
+        >>> [k for k, _ in model.named_parameters()][2]      # names unchanged
+        'blocks.0.ln1.weight'
+        >>> model(torch.zeros(2, 8, dtype=torch.long)).sum().backward()
+    """
+    for block in model.blocks:
+        for region in (block.attn, block.mlp):
+            if "forward" in region.__dict__:
+                raise ValueError(f"{type(region).__name__}.forward was already replaced "
+                                 "(activation checkpointing applied twice?)")
+            region.forward = _checkpointed(region.forward)  # the bound class method
+    return model
+
+
+def _checkpointed(forward):
+    """``forward`` run under ``torch.utils.checkpoint.checkpoint``, non-reentrant."""
+    from torch.utils.checkpoint import checkpoint
+
+    @functools.wraps(forward)
+    def run(*args, **kwargs):
+        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+    return run
 
 
 def count_params(model: nn.Module) -> int:

@@ -41,7 +41,7 @@ from minifsdp import comm
 from minifsdp.data import MarkovTokens, global_batch_loader, mnist, rank_loader
 from minifsdp.dist import DistInfo, dist_setup, finish, report_progress, seed_everything
 from minifsdp.memory import MemoryTracker
-from minifsdp.models import build_model, count_params
+from minifsdp.models import apply_activation_checkpointing, build_model, count_params
 
 # name -> function(model, info, args) returning the module to train (wrapped in place or not),
 # or ``(module, optimizer)`` when the strategy owns the optimizer (ZeRO shards its state).
@@ -125,17 +125,31 @@ def _torch_fsdp2(model, info, args):
 
 def shard_bottom_up(fully_shard, model, info, args, policy_cls=None):
     """``fully_shard`` (torch's or ours) on each of ``shard_units(model)``, children before the
-    root, then on the root, over a 1-D mesh of every rank; ``policy_cls``: that
+    root, then on the root, over ``data_parallel_mesh``; ``policy_cls``: that
     implementation's ``MixedPrecisionPolicy``, for ``--param-dtype`` and co."""
-    from torch.distributed.device_mesh import init_device_mesh
-
-    mesh = init_device_mesh(info.device.type, (info.world_size,))
+    mesh = data_parallel_mesh(info, args)
     unit_mp, root_mp = mixed_precision_kwargs(args, policy_cls)
     for unit in shard_units(model):
         fully_shard(unit, mesh=mesh, reshard_after_forward=args.reshard_after_forward,
                     **unit_mp)
     return fully_shard(model, mesh=mesh, reshard_after_forward=args.reshard_after_forward,
                        **root_mp)
+
+
+def data_parallel_mesh(info: DistInfo, args: argparse.Namespace):
+    """Every rank in a 1-D mesh (FSDP), or with ``--hsdp R`` the 2-D mesh ``(R, N / R)``
+    named ``("replicate", "shard")`` (HSDP, Note [HSDP] in ``minifsdp/fsdp2/hsdp.py``): ranks
+    ``0..S-1`` form the first shard group (on a cluster: one node, as torchrun numbers ranks
+    node by node), rank r's replicas are ``r mod S + k S``."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if not args.hsdp:
+        return init_device_mesh(info.device.type, (info.world_size,))
+    if info.world_size % args.hsdp:
+        raise ValueError(f"--hsdp {args.hsdp}: the world size {info.world_size} is not "
+                         "divisible by the replicate degree; HSDP needs R groups of equal size")
+    return init_device_mesh(info.device.type, (args.hsdp, info.world_size // args.hsdp),
+                            mesh_dim_names=("replicate", "shard"))
 
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -270,6 +284,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--vocab-size", type=int, default=64)
     p.add_argument("--tie-embeddings", action="store_true",
                    help="GPT: the head shares the token embedding's weight")
+    p.add_argument("--activation-checkpointing", action="store_true",
+                   help="GPT: recompute each block's attn and mlp in backward instead of "
+                   "saving their activations (Note [activation checkpointing] in "
+                   "minifsdp/models.py); any strategy")
+    p.add_argument("--hsdp", type=int, default=None, metavar="R",
+                   help="fsdp2, torch_fsdp2: hybrid sharding on the 2-D mesh (R, world/R): "
+                   "shard within groups of world/R ranks, replicate across R of them (Note "
+                   "[HSDP] in minifsdp/fsdp2/hsdp.py); default: shard over every rank")
     p.add_argument("--track-memory", type=int, default=0, metavar="K",
                    help="record the memory timeline of the first K steps")
     p.add_argument("--torch-memtracker", action="store_true",
@@ -318,6 +340,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--param-dtype / --reduce-dtype / --output-dtype apply to --strategy fsdp2 and "
                 "torch_fsdp2 only (mixed precision's reference is torch_fsdp2 with the same "
                 "policy; single has no counterpart)")
+    if args.hsdp is not None and args.strategy not in ("fsdp2", "torch_fsdp2"):
+        p.error("--hsdp applies to --strategy fsdp2 and torch_fsdp2 only")
+    if args.hsdp is not None and args.hsdp < 1:
+        p.error(f"--hsdp {args.hsdp}: the replicate degree R must be >= 1")
+    if args.activation_checkpointing and args.model != "gpt":
+        p.error("--activation-checkpointing needs --model gpt (it checkpoints each Block's "
+                "attn and mlp)")
     if (args.forward_prefetch, args.backward_prefetch) != ("none", "implicit") and (
             args.strategy not in ("fsdp2", "torch_fsdp2")):
         p.error("--forward-prefetch / --backward-prefetch apply to --strategy fsdp2 and "
@@ -347,9 +376,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def make_model(args: argparse.Namespace) -> nn.Module:
     if args.model == "cnn":
         return build_model("cnn", dropout=args.dropout)
-    return build_model("gpt", vocab_size=args.vocab_size, seq_len=args.seq_len,
-                       n_layer=args.n_layer, n_head=args.n_head, d_model=args.d_model,
-                       dropout=args.dropout, tie_embeddings=args.tie_embeddings)
+    model = build_model("gpt", vocab_size=args.vocab_size, seq_len=args.seq_len,
+                        n_layer=args.n_layer, n_head=args.n_head, d_model=args.d_model,
+                        dropout=args.dropout, tie_embeddings=args.tie_embeddings)
+    if args.activation_checkpointing:
+        apply_activation_checkpointing(model)  # before any wrapping; names unchanged
+    return model
 
 
 def make_optimizer(params, args: argparse.Namespace) -> torch.optim.Optimizer:

@@ -44,11 +44,15 @@ counter], [FSDP2 memory categories], [accumulating without communication]
 [the class swap], [state dicts], [meta-device init] (api.py); [issue and wait], [which group
 is next], [same order on every rank], [mistargeted prefetches], [prefetch memory], [prefetch
 on GPUs] (prefetch.py); [mixed precision], [gloo dtypes] (mixed_precision.py), [accumulating
-in the reduce dtype] (fsdp_param.py).
+in the reduce dtype] (fsdp_param.py); [HSDP] (hsdp.py).
 
 Mixed precision (chapter 07): ``fully_shard(m, mesh=mesh, mp_policy=MixedPrecisionPolicy(
 param_dtype=torch.bfloat16, reduce_dtype=torch.float32))`` -- bf16 all-gathers and compute,
 fp32 sharded master weights and gradient reduction.
+
+HSDP (chapter 09): ``fully_shard(m, mesh=init_device_mesh("cuda", (R, S), mesh_dim_names=(
+"replicate", "shard")))`` -- shards over S ranks, replicas over R, gradients reduce-scattered
+within a shard group and all-reduced across replicas (``hsdp.py``).
 """
 
 from minifsdp.fsdp2.api import (
@@ -60,11 +64,12 @@ from minifsdp.fsdp2.api import (
 from minifsdp.fsdp2.fsdp_param import FSDPParam, chunk_dim0
 from minifsdp.fsdp2.fsdp_param_group import FSDPParamGroup, ShardedState, TrainingState
 from minifsdp.fsdp2.fsdp_state import FSDPState
+from minifsdp.fsdp2.hsdp import MeshInfo, mesh_info
 from minifsdp.fsdp2.mixed_precision import MixedPrecisionPolicy
 from minifsdp.fsdp2.prefetch import UnshardHandle
 
 __all__ = [
-    "FSDPModule", "FSDPParam", "FSDPParamGroup", "FSDPState", "MixedPrecisionPolicy",
-    "ShardedState", "TrainingState",
-    "UnshardHandle", "chunk_dim0", "full_state_dict", "fully_shard", "load_full_state_dict",
+    "FSDPModule", "FSDPParam", "FSDPParamGroup", "FSDPState", "MeshInfo", "MixedPrecisionPolicy",
+    "ShardedState", "TrainingState", "UnshardHandle", "chunk_dim0", "full_state_dict",
+    "fully_shard", "load_full_state_dict", "mesh_info",
 ]

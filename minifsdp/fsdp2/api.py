@@ -7,6 +7,9 @@
     opt = torch.optim.AdamW(model.parameters())       # the sharded DTensors
     loss_fn(model(x), y).backward(); opt.step()       # hooks all-gather and reduce-scatter
 
+HSDP: the same calls with a 2-D mesh, ``init_device_mesh("cuda", (R, S), mesh_dim_names=(
+"replicate", "shard"))``: sharded over S, replicated over R (Note [HSDP] in ``hsdp.py``).
+
 Note [bottom-up]: each call makes one parameter group of the parameters in its subtree that
 no earlier call has taken: a child's ``fully_shard`` claims the block's parameters, so the
 root's call gets only what is left (embeddings, final norm, head). Calling the root first
@@ -26,9 +29,11 @@ steps are the sharded DTensors: a *sharded* state dict, made without communicati
 rank saves its rows; DTensor records how to put them together). ``full_state_dict(model)``
 all-gathers each one (``DTensor.full_tensor()``) into plain tensors on every rank.
 ``load_full_state_dict`` goes back without communication: every rank has the full tensors
-and keeps its own rows (``chunk_dim0``). ``model.load_state_dict`` of a sharded state dict
-copies DTensor into DTensor, local rows into local rows. (``assign=True`` would replace our
-parameter objects, which the optimizer and the group hold: refused after the load.)
+and keeps its own rows (``chunk_dim0``). On an HSDP mesh the DTensors are ``(Replicate(),
+Shard(0))``: rows are chosen and gathered over the shard dim only. ``model.load_state_dict``
+of a sharded state dict copies DTensor into DTensor, local rows into local rows.
+(``assign=True`` would replace our parameter objects, which the optimizer and the group
+hold: refused after the load.)
 
 Note [meta-device init]: a model too big for one device can be built on the meta device
 (shapes, no memory), sharded, and only then materialized, a shard per rank::
@@ -53,11 +58,12 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 
 from minifsdp.fsdp2.fsdp_param import Owners, chunk_dim0
 from minifsdp.fsdp2.fsdp_param_group import FSDPParamGroup
 from minifsdp.fsdp2.fsdp_state import FSDPState
+from minifsdp.fsdp2.hsdp import mesh_info
 from minifsdp.fsdp2.mixed_precision import MixedPrecisionPolicy, register_forward_casts
 from minifsdp.fsdp2.prefetch import UnshardHandle
 
@@ -201,7 +207,10 @@ def fully_shard(module: nn.Module, *, mesh: DeviceMesh | None = None,
     ``mesh`` as one group, install the hooks, and return the same module (Note [bottom-up]).
 
     Args:
-        mesh: a 1-D ``DeviceMesh``; default: all ranks, on the default group's device type.
+        mesh: a 1-D ``DeviceMesh`` (shard over its ranks), or a 2-D one with
+            ``mesh_dim_names=("replicate", "shard")`` (HSDP: shard over dim 1, replicate over
+            dim 0; Note [HSDP] in ``hsdp.py``); default: all ranks, 1-D, on the default
+            group's device type.
         reshard_after_forward: free the unsharded parameters after forward and all-gather them
             again in backward (memory for communication). ``None`` (torch 2.14's default):
             True, except for the root, whose parameters backward needs first.
@@ -227,8 +236,7 @@ def fully_shard(module: nn.Module, *, mesh: DeviceMesh | None = None,
     if mesh is None:
         device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
         mesh = init_device_mesh(device_type, (dist.get_world_size(),))
-    if mesh.ndim != 1:
-        raise ValueError(f"minifsdp's fully_shard takes a 1-D mesh, got {mesh.ndim}-D (HSDP)")
+    mesh_info(mesh)  # refuses a mesh that is neither FSDP's 1-D nor HSDP's 2-D, before changes
     params = _managed_params(module)
     for p, owners in params:
         if p.device.type not in (mesh.device_type, "meta"):
@@ -300,7 +308,9 @@ def load_full_state_dict(model: nn.Module, full: dict[str, torch.Tensor], strict
         cur = current.get(k)
         if isinstance(cur, DTensor):
             mesh = cur.device_mesh
-            rows = chunk_dim0(v.to(cur.device, cur.dtype), mesh.size())[mesh.get_local_rank()]
+            dim = [isinstance(p, Shard) for p in cur.placements].index(True)  # the shard dim
+            rows = chunk_dim0(v.to(cur.device, cur.dtype), mesh.size(dim))[
+                mesh.get_local_rank(dim)]
             v = DTensor.from_local(rows, mesh, cur.placements, run_check=False,
                                    shape=cur.shape, stride=cur.stride())
         sharded[k] = v

@@ -1,4 +1,4 @@
-"""``FSDPParam``: one parameter, sharded on dim 0 across a 1-D ``DeviceMesh``, as a DTensor.
+"""``FSDPParam``: one parameter, sharded on dim 0 across a ``DeviceMesh``, as a DTensor.
 
 FSDP1 flattened a whole unit into one FlatParameter and cut *that*. FSDP2 cuts every
 parameter on its own, along its first dimension, and hands the module the cut as a
@@ -9,6 +9,9 @@ parameter on its own, along its first dimension, and hands the module the cut as
 
 So ``model.weight.shape`` is still ``(10, 8)`` on every rank, the optimizer steps the local
 rows in place, and ``model.state_dict()`` is a sharded checkpoint with no communication.
+On a 2-D HSDP mesh (R, S) the cut is over the S ranks of the shard dim only, and the DTensor
+says so: ``placements (Replicate(), Shard(0))`` (Note [HSDP] in ``hsdp.py``). Below, N is
+the number of ranks a parameter is cut over: the mesh's size, or S.
 
 Note [the tensors of one parameter] (torch: [Note: FSDP tensors] in ``_fsdp_param.py``):
 
@@ -47,8 +50,9 @@ import math
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor
 
+from minifsdp.fsdp2.hsdp import MeshInfo, mesh_info
 from minifsdp.fsdp2.mixed_precision import MixedPrecisionPolicy, resolve_dtypes
 from minifsdp.memory import tag
 
@@ -77,7 +81,8 @@ def contiguous_stride(size: torch.Size) -> tuple[int, ...]:
 
 
 class FSDPParam:
-    """One parameter of a ``fully_shard``-ed module, sharded on dim 0 over a 1-D ``mesh``.
+    """One parameter of a ``fully_shard``-ed module, sharded on dim 0 over ``mesh``'s shard
+    group (the whole mesh if 1-D, its dim 1 if 2-D: Note [HSDP] in ``hsdp.py``).
 
     Replaces the parameter on every owning module with ``sharded_param`` (a DTensor, Note
     [the tensors of one parameter]) and keeps the buffers to rebuild the full parameter:
@@ -96,7 +101,7 @@ class FSDPParam:
         (True, (Shard(dim=0),))
     """
 
-    def __init__(self, param: nn.Parameter, owners: Owners, mesh: DeviceMesh,
+    def __init__(self, param: nn.Parameter, owners: Owners, mesh: DeviceMesh | MeshInfo,
                  mp_policy: MixedPrecisionPolicy | None = None):
         if param.dim() == 0:
             raise ValueError("fully_shard shards on dim 0: a 0-d parameter has none; make it "
@@ -106,8 +111,9 @@ class FSDPParam:
                              "tensor parallelism); minifsdp shards plain tensors only")
         if not param.is_contiguous():
             raise NotImplementedError("fully_shard needs contiguous parameters")
-        self.owners, self.mesh = owners, mesh
-        self.rank, self.world_size = mesh.get_local_rank(), mesh.size()
+        info = mesh if isinstance(mesh, MeshInfo) else mesh_info(mesh)
+        self.owners, self.mesh, self.placements = owners, info.mesh, info.placements
+        self.rank, self.world_size = info.shard_rank, info.shard_size  # the shard group's
         self.orig_size = param.shape
         self.orig_stride = contiguous_stride(param.shape)
         with torch.no_grad():
@@ -150,7 +156,7 @@ class FSDPParam:
         global shape from one rank's local tensor. Used for the parameter and its gradient.
         """
         with torch.no_grad():
-            return DTensor.from_local(local, self.mesh, [Shard(0)], run_check=False,
+            return DTensor.from_local(local, self.mesh, self.placements, run_check=False,
                                       shape=self.orig_size, stride=self.orig_stride)
 
     def all_gather_input(self) -> torch.Tensor:

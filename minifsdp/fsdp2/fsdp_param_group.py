@@ -10,6 +10,11 @@ reduce-scatter after its backward::
     backward:  unsharded grads --copy-in--> [rank 0 | rank 1 | ... ] --reduce-scatter (avg)-->
                my slot --views--> each sharded parameter's .grad (a DTensor)
 
+"Ranks" are the mesh's *shard group*: all of a 1-D mesh, dim 1 of a 2-D HSDP mesh, where a
+third collective follows the reduce-scatter -- an all-reduce (avg) of my slot across the
+replicate group (Note [HSDP] in ``hsdp.py``). ``self.rank`` / ``self.world_size`` /
+``self.process_group`` are the shard group's.
+
 A group is either ``SHARDED`` or ``UNSHARDED`` (``ShardedState``), and moves through
 ``TrainingState`` IDLE -> FORWARD -> (IDLE) -> PRE_BACKWARD -> POST_BACKWARD -> IDLE in every
 step. ``FSDPState`` (``fsdp_state.py``) decides *when*; this module does the work.
@@ -83,6 +88,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from minifsdp import comm
 from minifsdp.fsdp2.fsdp_param import FSDPParam, Owners
+from minifsdp.fsdp2.hsdp import mesh_info
 from minifsdp.fsdp2.mixed_precision import (
     MixedPrecisionPolicy,
     check_backend,
@@ -116,7 +122,7 @@ class FSDPParamGroup:
 
     Args:
         params: ``[(parameter, owners), ...]`` in the order of their buffer slots.
-        mesh: the 1-D data-parallel ``DeviceMesh``.
+        mesh: the data-parallel ``DeviceMesh``: 1-D, or 2-D (replicate, shard) for HSDP.
         reshard_after_forward: free the unsharded parameters after forward (and all-gather
             again in backward); ``None``: decided at lazy init, True except for the root.
         name: for communication tags, e.g. ``"blocks.0"`` (set at lazy init).
@@ -139,10 +145,12 @@ class FSDPParamGroup:
         named = [(f"{type(owners[0][0]).__name__}.{owners[0][1]}", p.dtype, p.requires_grad)
                  for p, owners in params]
         self.dtypes = group_dtypes(named, self.mp_policy, name)
-        check_backend(self.dtypes, mesh.get_group(), mesh.device_type, name)
-        self.fsdp_params = [FSDPParam(p, owners, mesh, self.mp_policy) for p, owners in params]
-        self.mesh, self.process_group = mesh, mesh.get_group()
-        self.rank, self.world_size = mesh.get_local_rank(), mesh.size()
+        self.mesh_info = info = mesh_info(mesh)  # refuses other meshes (Note [HSDP])
+        check_backend(self.dtypes, info.shard_group, mesh.device_type, name)
+        self.fsdp_params = [FSDPParam(p, owners, info, self.mp_policy) for p, owners in params]
+        self.mesh, self.process_group = mesh, info.shard_group
+        self.rank, self.world_size = info.shard_rank, info.shard_size
+        self.replicate_group = info.replicate_group  # HSDP's all-reduce; None on a 1-D mesh
         self.reshard_after_forward, self.name = reshard_after_forward, name
         self.sharded_state = ShardedState.SHARDED
         self.training_state = TrainingState.IDLE
@@ -312,10 +320,13 @@ class FSDPParamGroup:
 
         In the reduce dtype (the copy-in casts), averaged as torch does
         (``gradient_divide_factors``: the backend's AVG for fp32 / bf16, else SUM between a
-        pre- and a post-division), then cast to the shards' dtype (Note [mixed precision])."""
+        pre- and a post-division), then cast to the shards' dtype (Note [mixed precision]).
+        HSDP: reduce-scatter within the shard group, then all-reduce the output across the
+        replicate group, both with ``op``; the divisions are sized for all R S ranks."""
         flat = self._reduce_scatter_copy_in(params, grads)
         grads.clear()  # the unsharded gradients die here
-        pre, post, op = gradient_divide_factors(self.world_size, flat.dtype)
+        pre, post, op = gradient_divide_factors(self.world_size, flat.dtype,
+                                                self.mesh_info.replicate_size)
         divide_if_needed(flat, pre)
         out = flat.new_empty(flat.numel() // self.world_size)
         # the sharded grads view the output -- unless it is cast up below, then it is transient
@@ -323,6 +334,9 @@ class FSDPParamGroup:
         comm.reduce_scatter_tensor(out, flat, op, self.process_group,
                                    tag=f"fsdp2 grads {self.name}")
         del flat
+        if self.replicate_group is not None:  # Note [HSDP]: only my 1/S slot crosses nodes
+            comm.all_reduce(out, op, self.replicate_group,
+                            tag=f"fsdp2 grads-allreduce {self.name}")
         divide_if_needed(out, post)
         if out.dtype != self.dtypes.orig:
             out = out.to(self.dtypes.orig)  # e.g. a bf16 reduce: fp32 .grad for the optimizer

@@ -36,7 +36,9 @@ no trainable parameter, a forward whose graph was dropped -- the counter stays a
 and the end-of-backward callback does the work. Counting can only err upwards (late, never
 early), so this fallback makes it safe.
 
-Not handled (torch does): activation checkpointing's recomputed forward inside backward,
+Not handled (torch does): activation checkpointing's recomputed forward of a whole unit inside
+backward (checkpointing regions inside a unit is fine: Note [activation checkpointing] in
+``minifsdp/models.py``),
 ``register_fsdp_forward_method`` for methods other than ``forward``, moving the inputs to
 the device, and several roots sharing one backward.
 """

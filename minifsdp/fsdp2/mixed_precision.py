@@ -188,23 +188,30 @@ def check_backend(dtypes: GroupDtypes, process_group: dist.ProcessGroup, device_
 
 
 def gradient_divide_factors(world_size: int, reduce_dtype: torch.dtype,
-                            ) -> tuple[float | None, float | None, Any]:
+                            replicate_size: int = 1) -> tuple[float | None, float | None, Any]:
     """``(pre, post, op)``: divide the reduce-scatter input by ``pre``, reduce with ``op``,
     divide the output by ``post`` -- together an average over ``world_size`` ranks (torch:
     ``_get_gradient_divide_factors``). fp32 and bf16 have fp32's range: let the backend
     average (AVG; SUM at N = 1, where NCCL's AVG has been unreliable). Other dtypes (fp16)
     could overflow in the sum (Note [mixed precision]): divide by about sqrt(N) first.
 
+    HSDP (``replicate_size`` R > 1, Note [HSDP] in ``hsdp.py``): ``op`` is also the
+    all-reduce's, which runs between the reduce-scatter and ``post``; N is then R S (torch's
+    ``data_parallel_size``): AVG twice for fp32 / bf16, else ``pre`` and ``post`` over R S.
+
     Example:
         >>> gradient_divide_factors(4, torch.float16)
         (2, 2.0, <RedOpType.SUM: 0>)
+        >>> gradient_divide_factors(2, torch.float16, replicate_size=2)   # HSDP 2 x 2
+        (2, 2.0, <RedOpType.SUM: 0>)
     """
+    ranks = world_size * replicate_size
     if reduce_dtype in (torch.float32, torch.bfloat16):
-        return None, None, ReduceOp.AVG if world_size > 1 else ReduceOp.SUM
+        return None, None, ReduceOp.AVG if ranks > 1 else ReduceOp.SUM
     pre = 1
-    while world_size % pre == 0 and world_size / pre > pre:
+    while ranks % pre == 0 and ranks / pre > pre:
         pre *= 2
-    return pre, world_size / pre, ReduceOp.SUM
+    return pre, ranks / pre, ReduceOp.SUM
 
 
 def divide_if_needed(tensor: torch.Tensor, factor: float | None) -> None:

@@ -1,0 +1,133 @@
+"""How ``fully_shard`` reads its mesh: FSDP on a 1-D mesh, HSDP (hybrid sharding) on a 2-D one.
+
+    mesh = init_device_mesh("cpu", (N,))                                  # FSDP: shard over N
+    mesh = init_device_mesh("cuda", (R, S), mesh_dim_names=("replicate", "shard"))   # HSDP
+
+``MeshInfo`` names the two process groups a parameter group talks to (torch:
+``FSDPMeshInfo`` / ``HSDPMeshInfo`` in ``_fsdp_common.py``): the *shard* group, over which
+parameters are cut into dim-0 chunks, all-gathered and reduce-scattered, and -- for HSDP only
+-- the *replicate* group, over which the gradient shards are all-reduced. Everything else in
+``minifsdp.fsdp2`` only sees "the shard group of S ranks", which on a 1-D mesh is the whole
+mesh (S = N).
+
+Note [HSDP]: on a 2-D mesh (R, S) -- think R nodes of S GPUs -- dim 1 shards and dim 0
+replicates. Rank ``r`` sits at ``(r // S, r % S)``; at R = S = 2 the shard groups are {0, 1}
+and {2, 3} (one per node), the replicate groups {0, 2} and {1, 3} (one per shard index)::
+
+                 shard dim (S ranks, fast links: NVLink within a node)
+                 ------------------->
+    replicate  | rank 0  rank 1        node 0: every parameter cut in S pieces, one each
+    dim (R)    | rank 2  rank 3        node 1: the same S pieces again (a replica)
+               v
+
+A parameter is the DTensor ``(Replicate(), Shard(0))``: the rows of ``torch.chunk(p, S)`` at the
+rank's shard index, the same rows on every node. Per group and step:
+
+    all-gather      within the shard group, S padded shards     (forward; again in backward)
+    reduce-scatter  within the shard group: AVG over S          (each rank: its 1/S rows)
+    all-reduce      across the replicate group: AVG over R      (only those 1/S rows)
+
+AVG then AVG is the average over all N = R S ranks, as torch computes it (``foreach_reduce``:
+``_get_gradient_divide_factors`` sizes the division by R S; fp32 / bf16 reduce dtypes use the
+backend's AVG in both collectives, other dtypes divide by ~sqrt(R S) before the
+reduce-scatter and by the rest after the all-reduce, with SUM in both -- ``mixed_precision.
+gradient_divide_factors``). The sum is associated differently from 1-D FSDP's (two rings),
+so HSDP is bitwise equal to torch's HSDP, not to 1-D FSDP or one process (rounding apart).
+
+The trade, per rank, for a group of Psi parameters in fp32 (4 Psi bytes), wire bytes as in
+Note [bytes vs wire bytes] (``minifsdp/comm.py``)::
+
+                         FSDP over N                       HSDP (R x S)
+    model state          16 Psi / N (params, grads, Adam)  16 Psi / S       -- R times more
+    all-gather (x2)      (N-1)/N 4 Psi, across nodes       (S-1)/S 4 Psi, within the node
+    reduce-scatter       (N-1)/N 4 Psi, across nodes       (S-1)/S 4 Psi, within the node
+    all-reduce           --                                2 (R-1)/R 4 Psi / S, across nodes
+
+So HSDP pays R times FSDP's model-state memory, and in exchange every collective over the
+full parameter size stays on the fast intra-node links; only a 1/S-sized shard of the
+gradients crosses nodes, once per step. FSDP's three collectives are rings over all N ranks
+that cross the slow links, so each moves about 4 Psi per rank at inter-node speed. E.g.
+R = 16 nodes of S = 8 GPUs, Psi = 7e9: per rank and step, 2 (15/16) 28 GB / 8 = 6.6 GB cross
+the nodes instead of about 3 x 28 GB = 84 GB at inter-node speed, and each GPU holds
+16 Psi / 8 = 14 GB of model state instead of 16 Psi / 128 = 0.9 GB. Measured at R = S = 2
+on the test GPT: tests/test_fsdp2_hsdp.py.
+
+Not implemented (torch has them): ``set_requires_all_reduce`` (reduce-scatter every
+micro-batch but all-reduce only the last; ours has only ``set_requires_gradient_sync``, which
+skips both), ``reshard_after_forward=<int>``, meshes of other dims (tensor / pipeline
+parallelism), and ``DataParallelMeshDims`` for picking the dims by name.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Placement, Replicate, Shard
+
+HSDP_DIM_NAMES = ("replicate", "shard")  # the convention: dim 0 replicates, dim 1 shards
+
+
+@dataclass(frozen=True)
+class MeshInfo:
+    """The groups of one ``fully_shard`` mesh (Note [HSDP]).
+
+    Attributes:
+        mesh: the mesh the DTensors live on (1-D or 2-D).
+        shard_group, shard_rank, shard_size: all-gather and reduce-scatter; rank r holds
+            dim-0 chunk ``shard_rank`` of ``shard_size`` (Note [dim-0 chunks]).
+        replicate_group, replicate_size: the gradient all-reduce; ``None`` and 1 on a 1-D mesh.
+        placements: ``(Shard(0),)`` or ``(Replicate(), Shard(0))``.
+
+    Example (4 ranks, mesh (2, 2), rank 3)::
+
+        >>> info = mesh_info(init_device_mesh("cpu", (2, 2), mesh_dim_names=HSDP_DIM_NAMES))
+        >>> info.shard_rank, info.shard_size, info.replicate_size, info.placements  # doctest: +SKIP
+        (1, 2, 2, (Replicate(), Shard(dim=0)))     # rank 3 = row 1, column 1: chunk 1 of 2
+    """
+
+    mesh: DeviceMesh
+    shard_group: dist.ProcessGroup
+    shard_rank: int
+    shard_size: int
+    replicate_group: dist.ProcessGroup | None
+    replicate_size: int
+    placements: tuple[Placement, ...]
+
+    @property
+    def is_hsdp(self) -> bool:
+        return self.replicate_group is not None
+
+
+def mesh_info(mesh: DeviceMesh) -> MeshInfo:
+    """Check ``mesh`` and name its groups: a 1-D mesh shards over all its ranks; a 2-D mesh
+    replicates over dim 0 and shards over dim 1 (torch's rule). Anything else is refused.
+
+    Example (a world of one)::
+
+        >>> mesh_info(init_device_mesh("cpu", (1,))).placements     # doctest: +SKIP
+        (Shard(dim=0),)
+    """
+    if mesh.ndim == 1:
+        return MeshInfo(mesh, mesh.get_group(), mesh.get_local_rank(), mesh.size(), None, 1,
+                        (Shard(0),))
+    if mesh.ndim != 2:
+        raise ValueError(
+            f"fully_shard takes a 1-D DeviceMesh (FSDP) or a 2-D one (HSDP: "
+            f"mesh_dim_names={HSDP_DIM_NAMES}), got a {mesh.ndim}-D mesh of shape "
+            f"{tuple(mesh.shape)}; minifsdp composes with no other parallelism (tensor, "
+            "pipeline), so pass only the data-parallel dims")
+    names = mesh.mesh_dim_names
+    if names is None:
+        raise ValueError(
+            f"fully_shard on a 2-D mesh {tuple(mesh.shape)} is HSDP: dim 0 replicates and dim 1 "
+            "shards. Name the dims to say so (torch requires names too): init_device_mesh("
+            f"..., ({mesh.shape[0]}, {mesh.shape[1]}), mesh_dim_names={HSDP_DIM_NAMES})")
+    if set(names) == set(HSDP_DIM_NAMES) and tuple(names) != HSDP_DIM_NAMES:
+        raise ValueError(
+            f"fully_shard: mesh_dim_names={tuple(names)}, but HSDP shards over dim 1 and "
+            f"replicates over dim 0 (torch's rule); build the mesh as (R, S) with "
+            f"mesh_dim_names={HSDP_DIM_NAMES}")
+    return MeshInfo(mesh, mesh.get_group(1), mesh.get_local_rank(1), mesh.size(1),
+                    mesh.get_group(0), mesh.size(0), (Replicate(), Shard(0)))
