@@ -22,6 +22,8 @@ ratio against the torch configuration that issues the same all-gathers in the sa
                 vs ours with the same lists
     implicit    the same torch run vs our implicit forward + backward prefetch (no lists)
     off         torch's default vs ours with prefetching off (what prefetching buys us)
+    bf16        both with MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32) on every
+                unit and output_dtype=fp32 on the root (chapter 07), default prefetching
 
 On a CPU-only machine all ranks share the same cores and gloo's collectives go through the
 kernel's loopback, so absolute numbers say little about GPUs; the ratios compare the two
@@ -38,17 +40,21 @@ import statistics
 
 import harness
 
-# name: (implementation, --forward-prefetch, --backward-prefetch), as in minifsdp.train
+# name: (implementation, --forward-prefetch, --backward-prefetch, bf16 mixed precision), as
+# in minifsdp.train
 STRATEGIES = {
-    "torch": ("torch", "none", "implicit"),
-    "minifsdp": ("minifsdp", "none", "implicit"),
-    "torch_explicit": ("torch", "explicit", "explicit"),
-    "minifsdp_explicit": ("minifsdp", "explicit", "explicit"),
-    "minifsdp_implicit": ("minifsdp", "implicit", "implicit"),
-    "minifsdp_off": ("minifsdp", "none", "none"),
+    "torch": ("torch", "none", "implicit", False),
+    "minifsdp": ("minifsdp", "none", "implicit", False),
+    "torch_explicit": ("torch", "explicit", "explicit", False),
+    "minifsdp_explicit": ("minifsdp", "explicit", "explicit", False),
+    "minifsdp_implicit": ("minifsdp", "implicit", "implicit", False),
+    "minifsdp_off": ("minifsdp", "none", "none", False),
+    "torch_bf16": ("torch", "none", "implicit", True),
+    "minifsdp_bf16": ("minifsdp", "none", "implicit", True),
 }
 PAIRS = [("default", "torch", "minifsdp"), ("explicit", "torch_explicit", "minifsdp_explicit"),
-         ("implicit", "torch_explicit", "minifsdp_implicit"), ("off", "torch", "minifsdp_off")]
+         ("implicit", "torch_explicit", "minifsdp_implicit"), ("off", "torch", "minifsdp_off"),
+         ("bf16", "torch_bf16", "minifsdp_bf16")]
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -58,10 +64,11 @@ def parse_args(argv=None) -> argparse.Namespace:
 def worker(args: argparse.Namespace) -> None:
     import torch
     from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy as TorchPolicy
     from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
     from minifsdp.dist import dist_setup, finish, seed_everything
-    from minifsdp.fsdp2 import fully_shard
+    from minifsdp.fsdp2 import MixedPrecisionPolicy, fully_shard
     from minifsdp.models import GPT, count_params
     from minifsdp.train import set_prefetch
 
@@ -69,14 +76,19 @@ def worker(args: argparse.Namespace) -> None:
     mesh = init_device_mesh(info.device.type, (info.world_size,))
     cfg, x, y = harness.gpt_and_batch(args, info)
     shard = {"torch": torch_fully_shard, "minifsdp": fully_shard}
+    policy = {"torch": TorchPolicy, "minifsdp": MixedPrecisionPolicy}
     models, opts = {}, {}
-    for name, (impl, forward, backward) in STRATEGIES.items():
+    for name, (impl, forward, backward, bf16) in STRATEGIES.items():
         seed_everything(0)
         model = GPT(cfg).to(info.device)
         n_params = count_params(model)
+        unit_mp, root_mp = {}, {}
+        if bf16:
+            unit_mp = {"mp_policy": policy[impl](torch.bfloat16, torch.float32)}
+            root_mp = {"mp_policy": policy[impl](torch.bfloat16, torch.float32, torch.float32)}
         for block in model.blocks:
-            shard[impl](block, mesh=mesh)
-        models[name] = shard[impl](model, mesh=mesh)
+            shard[impl](block, mesh=mesh, **unit_mp)
+        models[name] = shard[impl](model, mesh=mesh, **root_mp)
         set_prefetch(models[name], argparse.Namespace(forward_prefetch=forward,
                                                       backward_prefetch=backward))
         opts[name] = torch.optim.AdamW(models[name].parameters(), lr=1e-4)
