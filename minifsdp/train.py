@@ -295,8 +295,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--track-memory", type=int, default=0, metavar="K",
                    help="record the memory timeline of the first K steps")
     p.add_argument("--torch-memtracker", action="store_true",
-                   help="torch_fsdp2: also measure the step after the --track-memory ones with "
-                        "torch's FSDPMemTracker (results: torch_memtracker)")
+                   help="torch_fsdp2: also measure the last --track-memory step with torch's "
+                        "FSDPMemTracker, alongside ours (results: torch_memtracker)")
     p.add_argument("--eval", action="store_true", help="report test accuracy at the end")
     p.add_argument("--eval-samples", type=int, default=10_000,
                    help="evaluate on the first N test images (all 10,000 cost ~10 s on 1 core)")
@@ -364,6 +364,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--eval needs --model cnn (the token data has no test set)")
     if args.strategy not in STRATEGIES:
         p.error(f"unknown --strategy {args.strategy!r}; choose from {sorted(STRATEGIES)}")
+    if args.torch_memtracker and not (args.strategy == "torch_fsdp2" and args.track_memory):
+        p.error("--torch-memtracker needs --strategy torch_fsdp2 and --track-memory K >= 1 "
+                "(it watches step K alongside our tracker)")
     if (args.save_every or args.kill_during_save) and not args.checkpoint_dir:
         p.error("--save-every / --kill-during-save need --checkpoint-dir")
     if args.kill_during_save and not (args.kill_during_save == args.steps or (
@@ -512,13 +515,15 @@ def main(argv: list[str] | None = None) -> None:
             tracker.track_modules(model)
         t0 = time.perf_counter()
         if tracker:
-            with tracker:
+            # Note [two trackers, one step] (torch_memtracker below)
+            theirs = (torch_memtracker(model, opt, (x, y))
+                      if args.torch_memtracker and step == args.track_memory - 1
+                      else contextlib.nullcontext())
+            with theirs as peak, tracker:
                 tracker.register((x, y), "activations")  # the first layer saves the batch
                 loss = train_step(model, opt, x, y, tracker, micro)
+            torch_mem = peak if peak is not None else torch_mem
             memory.append(tracker.to_dict())
-        elif args.torch_memtracker and step == args.track_memory:
-            torch_mem = torch_memtracker_step(model, opt, x, y, micro)
-            loss = torch_mem.pop("loss")
         else:
             loss = train_step(model, opt, x, y, micro_batches=micro)
         step_times.append(time.perf_counter() - t0)  # tracked steps are slower: not timings
@@ -527,9 +532,7 @@ def main(argv: list[str] | None = None) -> None:
         after_step(step + 1, args, info, model, opt, ckpt, losses)
 
     results = {
-        "strategy": args.strategy, "model": args.model, "rank": info.rank,
-        "world_size": info.world_size, "device": str(info.device), "backend": info.backend,
-        "num_params": n_params, "config": vars(args), "losses": losses,
+        **run_header(args, info), "num_params": n_params, "losses": losses,
         "step_times": step_times, "memory": memory, "comm": log.to_list(),
         "param_layout": layout, "torch_memtracker": torch_mem,
     }
@@ -559,6 +562,13 @@ def resume(args: argparse.Namespace, model: nn.Module, opt: torch.optim.Optimize
             "load_s": time.perf_counter() - t0, "rng_restored": loaded["rng_restored"]}
 
 
+def run_header(args: argparse.Namespace, info: DistInfo) -> dict:
+    """The fields every results file starts with, finished or not: which run and which rank."""
+    return {"strategy": args.strategy, "model": args.model, "rank": info.rank,
+            "world_size": info.world_size, "device": str(info.device),
+            "backend": info.backend, "config": vars(args)}
+
+
 def after_step(done: int, args: argparse.Namespace, info: DistInfo, model: nn.Module,
                opt: torch.optim.Optimizer, ckpt: dict, losses: list[float]) -> None:
     """After ``done`` steps: save a checkpoint if one is due (``--checkpoint-dir``,
@@ -579,10 +589,8 @@ def after_step(done: int, args: argparse.Namespace, info: DistInfo, model: nn.Mo
                                     "save_s": time.perf_counter() - t0,
                                     "bytes": rank_bytes(path, info.rank)})
         start = ckpt["start_step"]
-        save_results({"strategy": args.strategy, "model": args.model, "rank": info.rank,
-                      "world_size": info.world_size, "config": vars(args),
-                      "losses": losses, "steps": list(range(start + 1, done + 1)),
-                      **ckpt, "finished": False})
+        save_results({**run_header(args, info), "losses": losses,
+                      "steps": list(range(start + 1, done + 1)), **ckpt, "finished": False})
     if args.kill_at_step == done:
         _kill(args, info)
 
@@ -614,9 +622,24 @@ def param_layout(model: nn.Module) -> list[dict]:
     return out
 
 
-def torch_memtracker_step(model, opt, x, y, micro_batches: int) -> dict:
-    """One training step under torch's ``FSDPMemTracker`` (torch ``fully_shard`` models only).
-    Returns its peak per category in bytes, ``"Total"`` included, and the step's ``loss``."""
+@contextlib.contextmanager
+def torch_memtracker(model, opt, inputs):
+    """Run the body under torch's ``FSDPMemTracker`` (torch ``fully_shard`` models only) and
+    fill the yielded dict, on exit, with its peak per category in bytes (``"Total"`` included).
+
+    Example::
+
+        with torch_memtracker(model, opt, (x, y)) as peak:
+            train_step(model, opt, x, y)
+        peak["Total"], peak["Sharded Param"], peak["OptState"]
+
+    Note [two trackers, one step]: torch's tracker runs *around* our ``MemoryTracker`` on the
+    same step (two nested ``TorchDispatchMode``s see every op and every storage's death), not
+    on the next step. A peak is a property of one step's schedule: on the CNN at N = 2, torch's
+    step 3 has peaked 2.9 MB above its step 2 (a buffer that dies on gloo's thread), and on the
+    chapter-05 GPT step 3 sat 131,072 B off step 2. Watching one step, the two trackers agree
+    byte for byte (tests/test_fsdp2.py), which is what lets one check the other.
+    """
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
     from torch.distributed.fsdp import FSDPModule
 
@@ -624,11 +647,12 @@ def torch_memtracker_step(model, opt, x, y, micro_batches: int) -> dict:
         raise ValueError("--torch-memtracker needs a model sharded by torch's fully_shard "
                          f"(--strategy torch_fsdp2), got {type(model).__name__}")
     mt = FSDPMemTracker(model, opt)
-    mt.track_inputs((x, y))
+    mt.track_inputs(inputs)
+    out: dict = {}
     with mt:
-        loss = train_step(model, opt, x, y, micro_batches=micro_batches)
+        yield out
     (peak,) = mt.get_tracker_snapshot("peak").values()  # one device
-    return {"loss": loss, **{str(getattr(k, "value", k)): v for k, v in peak.items()}}
+    out.update({str(getattr(k, "value", k)): v for k, v in peak.items()})
 
 
 def save_full_params(model: nn.Module, info: DistInfo) -> None:
