@@ -242,6 +242,12 @@ class FullyShardedDataParallel(nn.Module):
     # ---- forward ----------------------------------------------------------------------------
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if torch._C._current_graph_task_id() != -1:  # autograd is running a backward
+            raise RuntimeError(
+                f"FSDP unit {self._name!r} ran forward inside backward: activation "
+                "checkpointing of a whole unit is not supported by minifsdp's FSDP1. Checkpoint "
+                "regions inside the unit (minifsdp.models.apply_activation_checkpointing), or "
+                "use minifsdp.fsdp2 (Note [recomputed in backward] in fsdp2/fsdp_state.py)")
         h = self._handle
         if h is not None:
             h.unshard(f"{self._name} forward")

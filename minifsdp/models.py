@@ -30,11 +30,10 @@ the Block and the root -- run again inside backward. The Block's pre-backward ho
 output) has already all-gathered its parameters before any of its backward nodes runs, and
 the recomputed ops read the parameters registered on the modules right then: the same
 unsharded tensors that forward used. Checkpointing a *whole* unit (``checkpoint(block, x)``)
-would re-run ``Block.__call__`` in backward, i.e. our forward pre- and post-hooks: the
-post-hook would reshard (free) the parameters the recomputed graph has just saved, and the
-pre-hook would add a post-backward event that never comes. torch's FSDP2 handles that case
-(its hooks return early in ``TrainingState.PRE_BACKWARD``, only unsharding if needed);
-minifsdp's fsdp1 and fsdp2 do not -- nor do they detect or refuse it: don't.
+re-runs ``Block.__call__`` in backward, i.e. FSDP's forward hooks: minifsdp's fsdp2 then only
+makes sure the parameters are unsharded (Note [recomputed in backward] in
+``fsdp2/fsdp_state.py``, tested against torch's), and minifsdp's fsdp1 refuses with a clear
+error.
 """
 
 from __future__ import annotations

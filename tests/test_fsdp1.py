@@ -462,6 +462,20 @@ def test_bad_input_is_a_clear_error(one_rank):
         fsdp1.FSDP(tied)
 
 
+def test_checkpointing_a_whole_unit_is_refused_clearly(one_rank):
+    """``checkpoint(unit, x)`` would re-run the unit's forward, and its unshard/reshard, inside
+    backward; FSDP1 here does not handle that (fsdp2 does), so the recomputation raises."""
+    from torch.utils.checkpoint import checkpoint
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2))
+    model[0] = fsdp1.FSDP(model[0])
+    x = torch.randn(3, 4)
+    with pytest.raises(RuntimeError, match="activation checkpointing of a whole unit is not "
+                                           "supported"):
+        checkpoint(model, x, use_reentrant=False).sum().backward()
+
+
 def train_steps(model, opt, gpt_cfg, steps=3, micro=1, no_grad_eval=False) -> list[float]:
     losses = []
     for s in range(steps):

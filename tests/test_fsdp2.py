@@ -331,6 +331,24 @@ def test_worker_trains_like_torch_and_one_process(worker):
                 assert case["ours_vs_single"] < 1e-6, (n, name)
 
 
+def test_worker_whole_unit_checkpointing_runs_like_no_checkpointing(worker):
+    """``checkpoint(block, x)`` re-runs the block's FSDP hooks inside backward. They must only
+    make sure the parameters are there: the same numbers as without checkpointing and as
+    torch's, and the same collectives in the same order -- each block's reduce-scatter right
+    after its backward. (Before Note [recomputed in backward], the numbers matched but every
+    reduce-scatter waited for the end of backward, holding all blocks' unsharded parameters.)"""
+    for ranks in worker.values():
+        for r in ranks:
+            case = r["whole_unit_checkpointing"]
+            for name in ("ours_ac", "ours_ac_no_early_stop", "torch_ac"):
+                assert case[name]["losses"] == case["ours"]["losses"], name
+                assert case[name]["bitwise_ours"], name
+            for name in ("ours_ac", "ours_ac_no_early_stop"):
+                assert case[name]["ops"] == case["ours"]["ops"], (name, case[name]["ops"])
+            scatters = [op for op in case["ours"]["ops"] if op.startswith("reduce_scatter")]
+            assert scatters[:3] == [f"reduce_scatter {g}" for g in ("blocks.1", "blocks.0", "root")]
+
+
 def test_worker_frozen_and_unused_parameters_get_no_gradient(worker):
     """``mid.0`` is frozen inside a trainable group, ``unused`` never runs: neither has a
     gradient nor moves; everything else does."""

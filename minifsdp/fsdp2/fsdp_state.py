@@ -36,11 +36,24 @@ no trainable parameter, a forward whose graph was dropped -- the counter stays a
 and the end-of-backward callback does the work. Counting can only err upwards (late, never
 early), so this fallback makes it safe.
 
-Not handled (torch does): activation checkpointing's recomputed forward of a whole unit inside
-backward (checkpointing regions inside a unit is fine: Note [activation checkpointing] in
-``minifsdp/models.py``),
-``register_fsdp_forward_method`` for methods other than ``forward``, moving the inputs to
-the device, and several roots sharing one backward.
+Note [recomputed in backward]: ``checkpoint(block, x)`` around a ``fully_shard``-ed block
+saves nothing of the block in forward and, in backward, re-runs ``Block.__call__`` -- our
+forward hooks included -- when the first saved tensor is needed. By then the block's
+pre-backward has all-gathered its parameters. Run as in forward, the pre-hook would count a
+barrier event whose backward never runs (the recomputed graph is only read for its saved
+tensors, never differentiated), so the group's post-backward would wait for the end of
+backward, holding every block's unsharded parameters and gradients; and the post-hook would
+reshard -- free the storage the recomputed graph has just saved (measured: "setStorage: ...
+out of bounds for storage of size 0" with early stopping off, when the recomputation reaches
+the post-hook). So inside backward (torch's ``is_bw()``: autograd's engine has a graph task
+on this thread) the pre-hook only makes sure the group is unsharded (a no-op after its
+pre-backward; a nested unit inside the checkpointed one may still be sharded) and the
+post-hook does nothing: the post-backward reshards, as without checkpointing. torch's FSDP2
+returns early in the same places. Checkpointing regions *inside* a unit never re-runs these
+hooks: Note [activation checkpointing] in ``minifsdp/models.py``.
+
+Not handled (torch does): ``register_fsdp_forward_method`` for methods other than
+``forward``, moving the inputs to the device, and several roots sharing one backward.
 """
 
 from __future__ import annotations
@@ -138,6 +151,11 @@ class FSDPState:
     # ---- forward -----------------------------------------------------------------------------
 
     def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        if _in_backward():  # Note [recomputed in backward]: the parameters, and nothing else
+            if self.group is not None:
+                self.group.unshard()
+                self.group.wait_for_unshard()
+            return args, kwargs
         if self.is_root is None:
             self._lazy_init()
         if self.is_root:
@@ -151,6 +169,8 @@ class FSDPState:
         return args, kwargs
 
     def _post_forward(self, module: nn.Module, args: tuple, output: Any) -> Any:
+        if _in_backward():  # Note [recomputed in backward]: the group's backward reshards
+            return output
         if self.group is not None:
             self.group.post_forward()
         prefetch.after_post_forward(self)
@@ -235,6 +255,11 @@ class _PostBackwardBarrier(torch.autograd.Function):
     def backward(ctx, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         ctx.state._backward_event()
         return (None, *grads)
+
+
+def _in_backward() -> bool:
+    """Is autograd's engine running a backward on this thread (torch's ``is_bw``)?"""
+    return torch._C._current_graph_task_id() != -1
 
 
 def _tensors_requiring_grad(tree: Any) -> list[torch.Tensor]:

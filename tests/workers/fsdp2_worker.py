@@ -171,6 +171,44 @@ def train_gpt(model: GPT) -> list[float]:
     return losses
 
 
+def whole_unit_checkpointing() -> dict:
+    """``checkpoint(block, x)`` around each ``fully_shard``-ed block: the recomputation calls
+    ``Block.__call__`` inside backward, so the group's forward hooks run there (Note
+    [recomputed in backward] in minifsdp/fsdp2/fsdp_state.py). Ours without checkpointing,
+    with it, with it and early stopping off (the recomputation then reaches the post-forward
+    hook), and torch's with it; each with its collectives' order (ours only)."""
+    import types
+
+    from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
+
+    def forward(self, idx):  # GPT.forward, each block under checkpoint
+        x = self.tok_emb(idx) + self.pos_emb(torch.arange(idx.shape[1], device=idx.device))
+        for block in self.blocks:
+            x = checkpoint(block, x, use_reentrant=False)
+        return self.head(self.ln_f(x))
+
+    out = {}
+    for name, fully_shard, ac, early_stop in (("ours", fsdp2.fully_shard, False, True),
+                                              ("ours_ac", fsdp2.fully_shard, True, True),
+                                              ("ours_ac_no_early_stop", fsdp2.fully_shard, True,
+                                               False),
+                                              ("torch_ac", torch_fully_shard, True, True)):
+        model = gpt()
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        if ac:
+            model.forward = types.MethodType(forward, model)
+        with comm.logging_comm() as log, set_checkpoint_early_stop(early_stop):
+            losses = train_gpt(model)
+        ops = [f"{r.op} {r.tag.split()[-1]}" for r in log.records if r.kind == "comm"]
+        out[name] = {"losses": losses, "params": full_params(model), "ops": ops}
+    ref = out["ours"]["params"]
+    return {name: {"losses": o["losses"], "ops": o["ops"],
+                   "bitwise_ours": all(torch.equal(o["params"][k], ref[k]) for k in ref)}
+            for name, o in out.items()}
+
+
 def meta_init() -> dict:
     """(a) meta -> shard -> to_empty -> load a seeded full model's weights: must train exactly
     like the same model sharded straight away. (b) ... -> init_weights(): deterministic
@@ -275,6 +313,7 @@ out = {
     },
     "local_shapes": local_shapes(),
     "meta": meta_init(),
+    "whole_unit_checkpointing": whole_unit_checkpointing(),
     "state_dict": state_dicts(),
     "errors": errors(),
 }
