@@ -205,19 +205,24 @@ def test_hsdp_params_at_rest_are_shards_over_s(hsdp_run):
 def test_worker_mixed_precision_and_accumulation_match_torch(worker):
     """bf16 parameters with an fp32 and a bf16 reduce, an fp16 reduce (pre-divide by 2, SUM
     within the shard group, SUM across replicas, post-divide by 2: torch's split of R S = 4)
-    and accumulation without sync: losses and parameters bitwise equal to torch's HSDP. The
-    collectives run in the reduce dtype; without sync only the last micro-batch reduces."""
+    and two kinds of accumulation: losses and parameters bitwise equal to torch's HSDP. The
+    collectives run in the reduce dtype; without sync only the last micro-batch reduces; with
+    ``set_requires_all_reduce`` every micro-batch reduce-scatters and only the last one
+    all-reduces (Note [HSDP accumulation])."""
     reduce = {"fp32": "float32", "bf16_fp32": "float32", "bf16": "bfloat16",
               "fp16_reduce": "float16"}
     for r in worker:
-        for name, case in [*r["cases"].items(), ("no_sync", r["accumulate_no_sync"])]:
+        for name, case in [*r["cases"].items(), ("no_sync", r["accumulate_no_sync"]),
+                           ("all_reduce_last", r["accumulate_all_reduce_last"])]:
             assert case["bitwise"] and case["max_diff"] == 0.0, (r["rank"], name)
             assert case["losses"]["ours"] == case["losses"]["torch"], (r["rank"], name)
             calls = {tuple(op): n for op, n in case["calls"]}
             dtype = reduce.get(name, "float32")
             gather = "bfloat16" if name.startswith("bf16") else "float32"
-            ag = 2 * 15 if name == "no_sync" else 15  # 3 steps x (3 + 2) groups
-            assert calls == {("all_gather", S, gather): ag, ("reduce_scatter", S, dtype): 9,
+            micro = 2 if name in ("no_sync", "all_reduce_last") else 1
+            scatters = 2 * 9 if name == "all_reduce_last" else 9  # 3 steps x 3 groups
+            assert calls == {("all_gather", S, gather): micro * 15,  # 3 steps x (3 + 2) groups
+                             ("reduce_scatter", S, dtype): scatters,
                              ("all_reduce", R, dtype): 9}, (r["rank"], name)
 
 

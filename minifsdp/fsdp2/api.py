@@ -118,7 +118,22 @@ class FSDPModule:
         for gradient accumulation without communication (Note [accumulating without
         communication] in ``fsdp_param_group.py``). Set ``True`` before the last backward."""
         for group in self._groups(recurse):
-            group.reduce_grads = requires_gradient_sync
+            group.reduce_grads = group.all_reduce_grads = requires_gradient_sync
+
+    def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
+        """HSDP only (a no-op on a 1-D mesh): ``False`` still reduce-scatters every backward
+        within the shard group but skips the all-reduce across replicas, keeping the sum until
+        a backward with ``True`` (Note [HSDP accumulation] in ``hsdp.py``).
+
+        Example (two micro-batches, one all-reduce)::
+
+            for m, (x, y) in enumerate(micro_batches):
+                model.set_requires_all_reduce(m == len(micro_batches) - 1)
+                loss_fn(model(x), y).backward()
+            opt.step()
+        """
+        for group in self._groups(recurse):
+            group.all_reduce_grads = requires_all_reduce
 
     def set_reshard_after_backward(self, reshard_after_backward: bool, *,
                                    recurse: bool = True) -> None:

@@ -155,6 +155,8 @@ class FSDPParamGroup:
         self.sharded_state = ShardedState.SHARDED
         self.training_state = TrainingState.IDLE
         self.reduce_grads = True  # set_requires_gradient_sync
+        self.all_reduce_grads = True  # set_requires_all_reduce (HSDP)
+        self._partial_reduce_output: torch.Tensor | None = None  # Note [HSDP accumulation]
         self.reshard_after_backward = True
 
     def lazy_init(self, is_root: bool) -> None:
@@ -335,6 +337,15 @@ class FSDPParamGroup:
                                    tag=f"fsdp2 grads {self.name}")
         del flat
         if self.replicate_group is not None:  # Note [HSDP]: only my 1/S slot crosses nodes
+            if not self.all_reduce_grads:  # Note [HSDP accumulation]: keep it, reduced over S
+                if self._partial_reduce_output is None:
+                    self._partial_reduce_output = out
+                else:
+                    self._partial_reduce_output += out
+                return
+            if self._partial_reduce_output is not None:
+                out += self._partial_reduce_output
+                self._partial_reduce_output = None
             comm.all_reduce(out, op, self.replicate_group,
                             tag=f"fsdp2 grads-allreduce {self.name}")
         divide_if_needed(out, post)

@@ -60,13 +60,18 @@ def batch(step: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
     return x.to(info.device), y.to(info.device)
 
 
-def train(model: GPT, steps: int = STEPS, micro: int = 1, no_sync: bool = False) -> list[float]:
+def train(model: GPT, steps: int = STEPS, micro: int = 1, no_sync: bool = False,
+          all_reduce_last: bool = False) -> list[float]:
+    """no_sync: only the last micro-batch reduces; all_reduce_last: every micro-batch
+    reduce-scatters, only the last all-reduces across replicas (Note [HSDP accumulation])."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     losses = []
     for step in range(steps):
         for m in range(micro):
             if no_sync:
                 model.set_requires_gradient_sync(m == micro - 1)
+            if all_reduce_last:
+                model.set_requires_all_reduce(m == micro - 1)
             x, y = batch(step, m)
             loss = F.cross_entropy(model(x).float().flatten(0, 1), y.flatten())
             (loss / micro).backward()
@@ -85,12 +90,13 @@ def compare(a: dict, b: dict) -> dict:
             "max_diff": max(float((a[k] - b[k]).abs().max()) for k in a)}
 
 
-def run_case(policy: dict | None, micro: int = 1, no_sync: bool = False) -> dict:
+def run_case(policy: dict | None, micro: int = 1, no_sync: bool = False,
+             all_reduce_last: bool = False) -> dict:
     out = {}
     for impl in ("ours", "torch"):
         model = shard(gpt(), impl, policy)
         with comm.logging_comm() as log:
-            losses = train(model, micro=micro, no_sync=no_sync)
+            losses = train(model, micro=micro, no_sync=no_sync, all_reduce_last=all_reduce_last)
         out[impl] = (losses, full(model))
         if impl == "ours":
             calls = [(c.op, c.group_size, str(c.dtype)) for c in log.comms()]
@@ -161,6 +167,7 @@ out = {
     "rank": rank, "world_size": N,
     "cases": {name: run_case(p) for name, p in POLICIES.items()},
     "accumulate_no_sync": run_case(None, micro=2, no_sync=True),
+    "accumulate_all_reduce_last": run_case(None, micro=2, all_reduce_last=True),
     "state_dict": state_dicts(),
     "errors": errors(),
 }
