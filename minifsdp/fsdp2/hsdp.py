@@ -52,19 +52,19 @@ the nodes instead of about 3 x 28 GB = 84 GB at inter-node speed, and each GPU h
 16 Psi / 8 = 14 GB of model state instead of 16 Psi / 128 = 0.9 GB. Measured at R = S = 2
 on the test GPT: tests/test_fsdp2_hsdp.py.
 
-Note [HSDP accumulation]: with several micro-batches per step, a backward that is not the
-step's last may reduce as usual (the default), or skip some of it. ``set_requires_gradient_sync(
-False)`` skips both collectives and keeps the
-full unsharded gradients (1/S-sized traffic saved, R S times the sharded gradient's memory
-held). ``set_requires_all_reduce(False)`` -- torch's, for HSDP -- reduce-scatters within the
-node as usual but keeps the output (averaged over S, not yet post-divided) in the group's
-``_partial_reduce_output``, writes no ``.grad``, and skips the inter-node all-reduce; the next
-backward that all-reduces adds it in first. So the slow links carry one all-reduce per step
-instead of one per micro-batch, for one gradient shard of memory. Both add the same numbers
-in the same order as torch (``foreach_reduce``: ``partial += out``, later ``out += partial``),
-so they are bitwise equal to torch's (tests/test_fsdp2_hsdp.py). As in torch, a sum kept by
-the last backward of a step is never dropped by ``zero_grad``: end each step's accumulation
-with ``set_requires_all_reduce(True)``.
+Note [HSDP accumulation]: with several micro-batches per step, each backward but the step's
+last may reduce as usual (the default) or skip part of it:
+  * ``set_requires_gradient_sync(False)`` skips both collectives and keeps the full unsharded
+    gradients until the last backward (S times a gradient shard's memory, no traffic);
+  * ``set_requires_all_reduce(False)`` -- torch's, for HSDP -- reduce-scatters within the node
+    as usual but keeps the output (averaged over S, not yet post-divided) in the group's
+    ``_partial_reduce_output``, writes no ``.grad`` and skips the inter-node all-reduce; the
+    next backward that all-reduces adds it in first. The slow links carry one all-reduce per
+    step instead of one per micro-batch, for one gradient shard of memory.
+Both add the same numbers in the same order as torch (``foreach_reduce``: ``partial += out``,
+later ``out += partial``), so they are bitwise equal to torch's (tests/test_fsdp2_hsdp.py). As
+in torch, ``zero_grad`` does not clear a kept sum: end every step's accumulation with a
+backward under ``set_requires_all_reduce(True)``.
 
 Not implemented (torch has them): ``reshard_after_forward=<int>``, meshes of other dims
 (tensor / pipeline parallelism), and ``DataParallelMeshDims`` for picking the dims by name.
