@@ -238,6 +238,28 @@ def test_worker_state_dicts_on_the_2d_mesh(worker):
         assert s["full_round_trip"] and s["sharded_round_trip"] and s["trained_alike"]
 
 
+def test_worker_reshard_after_forward_to_k_ranks(worker):
+    """``reshard_after_forward=2`` at N = 4: bitwise equal to torch's; backward all-gathers over
+    2 ranks (forward over 4); between forward and backward a block keeps exactly half of its
+    padded unsharded parameters; a second forward without backward gathers afresh; k = 3 is
+    refused before the module changes (Note [reshard to k ranks])."""
+    for r in worker:
+        c = r["reshard_to_k"]
+        assert c["bitwise"] and c["losses"]["ours"] == c["losses"]["torch"], r["rank"]
+        calls = {tuple(op): n for op, n in c["calls"]}
+        # 3 steps x 2 micro-batches: forward gathers the 2 blocks and the root over 4 ranks;
+        # backward gathers the 2 blocks from their kept halves over 2 ranks
+        assert calls == {("all_gather", 4): 18, ("all_gather", 2): 12,
+                         ("reduce_scatter", 4): 18}, calls
+        kept = c["kept"]
+        assert kept["state"] == "SHARDED_POST_FORWARD"
+        assert kept["numel"] * 2 == kept["padded_unsharded_numel"] >= kept["unsharded_numel"]
+        assert kept["second_forward_gathers"] == [4]
+        assert kept["after_second_forward"] == "SHARDED_POST_FORWARD"
+        assert "reshard_after_forward=3: pass a bool, or an int that divides the shard " \
+               "group's size 4" in c["error"] and c["error_untouched"]
+
+
 def test_worker_mesh_errors(worker):
     for r in worker:
         e = r["errors"]

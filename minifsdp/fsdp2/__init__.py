@@ -17,7 +17,8 @@ same names and the same state machine, one idea per module::
                                            FSDPParamGroup                   fsdp_param_group.py
                                            SHARDED <-> UNSHARDED; ONE all-gather (copy-in,
                                            collective | wait, copy-out) and ONE reduce-scatter
-                                           per group; resize_(0) frees, resize_(n) restores
+                                           per group (foreach_reduce: reduce.py); resize_(0)
+                                           frees, resize_(n) restores
                                                 |  .fsdp_params
                                                 v
                                            FSDPParam  (one per parameter)  fsdp_param.py
@@ -44,7 +45,8 @@ counter], [FSDP2 memory categories], [accumulating without communication]
 [the class swap], [state dicts], [meta-device init] (api.py); [issue and wait], [which group
 is next], [same order on every rank], [mistargeted prefetches], [prefetch memory], [prefetch
 on GPUs] (prefetch.py); [mixed precision], [gloo dtypes] (mixed_precision.py), [accumulating
-in the reduce dtype] (fsdp_param.py); [HSDP] (hsdp.py).
+in the reduce dtype] (fsdp_param.py); [recomputed in backward] (fsdp_state.py); [HSDP], [HSDP
+accumulation], [reshard to k ranks] (hsdp.py).
 
 Mixed precision (chapter 07): ``fully_shard(m, mesh=mesh, mp_policy=MixedPrecisionPolicy(
 param_dtype=torch.bfloat16, reduce_dtype=torch.float32))`` -- bf16 all-gathers and compute,

@@ -144,11 +144,12 @@ class FSDPModule:
         for group in self._groups(recurse):
             group.reshard_after_backward = reshard_after_backward
 
-    def set_reshard_after_forward(self, reshard_after_forward: bool, *,
+    def set_reshard_after_forward(self, reshard_after_forward: bool | int, *,
                                   recurse: bool = True) -> None:
-        """Change ``fully_shard``'s ``reshard_after_forward`` (the root's too)."""
+        """Change ``fully_shard``'s ``reshard_after_forward`` (the root's too); an int k makes
+        new process groups, so call it on every rank (Note [reshard to k ranks])."""
         for group in self._groups(recurse):
-            group.reshard_after_forward = reshard_after_forward
+            group.set_reshard_after_forward(reshard_after_forward)
 
     def set_modules_to_forward_prefetch(self, modules: list[FSDPModule]) -> None:
         """After this module's all-gather in forward, issue those of ``modules``, in order
@@ -216,7 +217,7 @@ _NO_MIXED_PRECISION = MixedPrecisionPolicy()  # frozen, so one instance can be t
 
 
 def fully_shard(module: nn.Module, *, mesh: DeviceMesh | None = None,
-                reshard_after_forward: bool | None = None,
+                reshard_after_forward: bool | int | None = None,
                 mp_policy: MixedPrecisionPolicy = _NO_MIXED_PRECISION) -> nn.Module:
     """Shard ``module``'s parameters (those no nested ``fully_shard`` took) on dim 0 over
     ``mesh`` as one group, install the hooks, and return the same module (Note [bottom-up]).
@@ -228,7 +229,9 @@ def fully_shard(module: nn.Module, *, mesh: DeviceMesh | None = None,
             group's device type.
         reshard_after_forward: free the unsharded parameters after forward and all-gather them
             again in backward (memory for communication). ``None`` (torch 2.14's default):
-            True, except for the root, whose parameters backward needs first.
+            True, except for the root, whose parameters backward needs first. An int k
+            (a divisor of the shard size): keep 1/k of them, all-gathered over k ranks in
+            backward (Note [reshard to k ranks] in ``hsdp.py``).
         mp_policy: the all-gather / compute, reduce-scatter and output dtypes, and whether to
             cast the forward inputs (Note [mixed precision] in ``mixed_precision.py``).
             Default: no mixed precision. Dtypes the backend cannot communicate (float8 on

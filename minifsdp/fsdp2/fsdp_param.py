@@ -214,6 +214,11 @@ class FSDPParam:
                 self.unsharded_param.requires_grad_(self.sharded_param.requires_grad)
         return self._unsharded_data
 
+    def unsharded_piece(self, k: int, i: int) -> torch.Tensor:
+        """Piece ``i`` of ``k`` of the padded unsharded buffer, 1-D (Note [reshard to k ranks]
+        in ``hsdp.py``): rank-major chunks ``i N/k .. (i+1) N/k - 1``, a view."""
+        return self._unsharded_data.view(k, -1)[i]
+
     def free_unsharded(self) -> None:
         """Give the unsharded buffer's bytes back; the tensor objects stay (size-0 storage)."""
         if self._unsharded_data is not None:

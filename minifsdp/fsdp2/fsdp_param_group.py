@@ -15,7 +15,8 @@ third collective follows the reduce-scatter -- an all-reduce (avg) of my slot ac
 replicate group (Note [HSDP] in ``hsdp.py``). ``self.rank`` / ``self.world_size`` /
 ``self.process_group`` are the shard group's.
 
-A group is either ``SHARDED`` or ``UNSHARDED`` (``ShardedState``), and moves through
+A group is ``SHARDED`` or ``UNSHARDED`` (``ShardedState``; with ``reshard_after_forward=k``
+also ``SHARDED_POST_FORWARD`` between forward and backward), and moves through
 ``TrainingState`` IDLE -> FORWARD -> (IDLE) -> PRE_BACKWARD -> POST_BACKWARD -> IDLE in every
 step. ``FSDPState`` (``fsdp_state.py``) decides *when*; this module does the work.
 
@@ -24,9 +25,9 @@ the gathered buffer is *rank-major*: rank 0's padded shards of every parameter, 
 1's, ... A parameter's rows are therefore spread over N places, and it cannot be a view of
 the group's buffer: ``_all_gather_copy_out`` copies each parameter's N pieces into its own
 buffer (one ``split_with_sizes_copy``), and the group buffer is freed at once. Gradients go
-the same way backwards: ``_reduce_scatter_copy_in`` lays each gradient's chunk r into slot r
-(``torch._chunk_cat``, which zero-pads short chunks exactly as Note [padding] in
-``fsdp_param.py``). These two copy-ins are single methods on purpose: mixed precision
+the same way backwards: ``reduce_scatter_copy_in`` (``reduce.py``) lays each gradient's chunk
+r into slot r (``torch._chunk_cat``, which zero-pads short chunks exactly as Note [padding]
+in ``fsdp_param.py``). These two copy-ins are single methods on purpose: mixed precision
 (chapter 07) casts right there -- the all-gather input to bf16, the gradients to the reduce
 dtype -- and prefetching (chapter 06) splits ``unshard`` into "issue the all-gather" and
 "wait, then copy out" (``unshard(async_op=True)`` / ``wait_for_unshard``).
@@ -88,24 +89,20 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from minifsdp import comm
 from minifsdp.fsdp2.fsdp_param import FSDPParam, Owners
-from minifsdp.fsdp2.hsdp import mesh_info
-from minifsdp.fsdp2.mixed_precision import (
-    MixedPrecisionPolicy,
-    check_backend,
-    divide_if_needed,
-    gradient_divide_factors,
-    group_dtypes,
-)
+from minifsdp.fsdp2.hsdp import mesh_info, post_forward_info
+from minifsdp.fsdp2.mixed_precision import MixedPrecisionPolicy, check_backend, group_dtypes
+from minifsdp.fsdp2.reduce import foreach_reduce
 from minifsdp.memory import tag
 
 
 class ShardedState(Enum):
-    """Which parameters the modules hold (torch also has ``SHARDED_POST_FORWARD``, for
-    ``reshard_after_forward=<int>``: reshard to a smaller group, e.g. within a node; we
-    implement only the two states that every FSDP needs)."""
+    """Which parameters the modules hold, and what the group keeps for its next all-gather."""
 
     SHARDED = auto()  # the sharded DTensors; unsharded storage freed
     UNSHARDED = auto()  # the all-gathered plain tensors, ready to compute
+    # the sharded DTensors, plus a 1/k piece of the unsharded parameters for backward's
+    # all-gather over k ranks (reshard_after_forward=k: Note [reshard to k ranks] in hsdp.py)
+    SHARDED_POST_FORWARD = auto()
 
 
 class TrainingState(Enum):
@@ -124,7 +121,8 @@ class FSDPParamGroup:
         params: ``[(parameter, owners), ...]`` in the order of their buffer slots.
         mesh: the data-parallel ``DeviceMesh``: 1-D, or 2-D (replicate, shard) for HSDP.
         reshard_after_forward: free the unsharded parameters after forward (and all-gather
-            again in backward); ``None``: decided at lazy init, True except for the root.
+            again in backward); ``None``: decided at lazy init, True except for the root; an
+            int k: keep 1/k of them, all-gathered over k ranks (Note [reshard to k ranks]).
         name: for communication tags, e.g. ``"blocks.0"`` (set at lazy init).
         mp_policy: the dtypes (Note [mixed precision] in ``mixed_precision.py``); ``None``:
             none, as ``MixedPrecisionPolicy()``.
@@ -137,7 +135,7 @@ class FSDPParamGroup:
     """
 
     def __init__(self, params: list[tuple[nn.Parameter, Owners]], mesh: DeviceMesh,
-                 reshard_after_forward: bool | None, name: str,
+                 reshard_after_forward: bool | int | None, name: str,
                  mp_policy: MixedPrecisionPolicy | None = None):
         self.mp_policy = mp_policy or MixedPrecisionPolicy()
         # check the dtypes before FSDPParam replaces any parameter: an error leaves the
@@ -146,18 +144,27 @@ class FSDPParamGroup:
                  for p, owners in params]
         self.dtypes = group_dtypes(named, self.mp_policy, name)
         self.mesh_info = info = mesh_info(mesh)  # refuses other meshes (Note [HSDP])
+        self.set_reshard_after_forward(reshard_after_forward)  # refuses a bad k
         check_backend(self.dtypes, info.shard_group, mesh.device_type, name)
         self.fsdp_params = [FSDPParam(p, owners, info, self.mp_policy) for p, owners in params]
         self.mesh, self.process_group = mesh, info.shard_group
         self.rank, self.world_size = info.shard_rank, info.shard_size
         self.replicate_group = info.replicate_group  # HSDP's all-reduce; None on a 1-D mesh
-        self.reshard_after_forward, self.name = reshard_after_forward, name
+        self.name = name
+        self._post_forward_data: torch.Tensor | None = None  # SHARDED_POST_FORWARD's piece
         self.sharded_state = ShardedState.SHARDED
         self.training_state = TrainingState.IDLE
         self.reduce_grads = True  # set_requires_gradient_sync
         self.all_reduce_grads = True  # set_requires_all_reduce (HSDP)
-        self._partial_reduce_output: torch.Tensor | None = None  # Note [HSDP accumulation]
+        self.partial_reduce_output: torch.Tensor | None = None  # Note [HSDP accumulation]
         self.reshard_after_backward = True
+
+    def set_reshard_after_forward(self, reshard_after_forward: bool | int | None) -> None:
+        """A bool, ``None`` (decided at lazy init) or an int k (Note [reshard to k ranks])."""
+        if getattr(self, "sharded_state", None) is ShardedState.SHARDED_POST_FORWARD:
+            self.reshard()  # its piece was cut for the old k
+        self.reshard_after_forward, self.post_forward_ranks = post_forward_info(
+            self.mesh_info, reshard_after_forward)
 
     def lazy_init(self, is_root: bool) -> None:
         """At the root's first forward: the root keeps its parameters after forward (backward
@@ -183,7 +190,7 @@ class FSDPParamGroup:
     # The all-gather between ``unshard`` and ``wait_for_unshard``: ``(work handle, group
     # buffer)``, the handle ``None`` for a blocking call. A class-level default, so instances
     # get it without a line in ``__init__``.
-    _in_flight: tuple[object, torch.Tensor] | None = None
+    _in_flight: tuple[object, torch.Tensor, int] | None = None  # ..., ranks gathered over
 
     def unshard(self, async_op: bool = False) -> None:
         """All-gather the group: afterwards the modules hold the full, plain parameters. With
@@ -193,10 +200,15 @@ class FSDPParamGroup:
         [issue and wait] in ``prefetch.py``)."""
         if self.sharded_state is ShardedState.UNSHARDED or self._in_flight is not None:
             return
-        my_slot, gathered = self._all_gather_copy_in()
-        work = comm.all_gather_into_tensor(gathered, my_slot, self.process_group, async_op,
+        if self.sharded_state is ShardedState.SHARDED_POST_FORWARD:  # over k ranks
+            my_slot, gathered = self._post_forward_copy_in()
+            group, world = self.post_forward_ranks.group, self.post_forward_ranks.size
+        else:
+            my_slot, gathered = self._all_gather_copy_in()
+            group, world = self.process_group, self.world_size
+        work = comm.all_gather_into_tensor(gathered, my_slot, group, async_op,
                                            tag=f"fsdp2 params {self.name}")
-        self._in_flight = (work, gathered)
+        self._in_flight = (work, gathered, world)
         if not async_op:
             self.wait_for_unshard()
 
@@ -206,11 +218,12 @@ class FSDPParamGroup:
         its copy-out is issued, then freed (Note [prefetch on GPUs] in ``prefetch.py``)."""
         if self._in_flight is None:
             return
-        work, gathered = self._in_flight
+        work, gathered, world = self._in_flight
         if work is not None:
             work.wait()  # gloo: blocks until done; NCCL: makes the current stream wait
-        self._all_gather_copy_out(gathered)
+        self._all_gather_copy_out(gathered, world)
         _free(gathered)
+        self._post_forward_data = None
         for p in self.fsdp_params:
             p.to_unsharded()
         self.sharded_state = ShardedState.UNSHARDED
@@ -221,7 +234,7 @@ class FSDPParamGroup:
         is. Every rank issued the collective, so it must complete (Note [mistargeted
         prefetches] in ``prefetch.py``)."""
         if self._in_flight is not None:
-            work, gathered = self._in_flight
+            work, gathered, _ = self._in_flight
             if work is not None:
                 work.wait()
             _free(gathered)
@@ -244,40 +257,65 @@ class FSDPParamGroup:
         return my_slot, gathered
 
     @torch.no_grad()
-    def _all_gather_copy_out(self, gathered: torch.Tensor) -> None:
-        """Copy each parameter's N padded pieces from the rank-major buffer into its own
-        unsharded buffer (Notes [copy-in and copy-out], [freeing with resize_], [version
-        counter]). ``gathered.view(N, S)`` row r is rank r's slot; column block i is
-        parameter i."""
+    def _all_gather_copy_out(self, gathered: torch.Tensor, world: int) -> None:
+        """Copy each parameter's ``world`` padded pieces from the rank-major buffer into its
+        own unsharded buffer (Notes [copy-in and copy-out], [freeing with resize_], [version
+        counter]). ``gathered.view(world, S)`` row r is rank r's slot; column block i is
+        parameter i. ``world`` is N, or k after ``reshard_after_forward=k``."""
         outs = []
         for p in self.fsdp_params:
             buf = p.alloc_unsharded()
             tag(buf, "params", label=self.name)  # Note [labels] in minifsdp/memory.py
-            outs.append(buf.view(self.world_size, -1))
-        sizes = [p.padded_shard_numel for p in self.fsdp_params]
+            outs.append(buf.view(world, -1))
+        sizes = [p.padded_shard_numel * self.world_size // world for p in self.fsdp_params]
         with torch.autograd._unsafe_preserve_version_counter(tuple(outs)):
-            torch.split_with_sizes_copy(gathered.view(self.world_size, -1), sizes, dim=1,
-                                        out=outs)
+            torch.split_with_sizes_copy(gathered.view(world, -1), sizes, dim=1, out=outs)
+
+    @torch.no_grad()
+    def _post_forward_copy_in(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``_all_gather_copy_in`` for the k-rank all-gather: this rank's kept piece is its
+        slot (Note [reshard to k ranks] in ``hsdp.py``)."""
+        slot = self._post_forward_data.numel()
+        gathered = self._post_forward_data.new_empty(self.post_forward_ranks.size * slot)
+        tag(gathered, "comm", label="all-gather buffers")
+        my_slot = gathered.narrow(0, self.post_forward_ranks.rank * slot, slot)
+        my_slot.copy_(self._post_forward_data)
+        return my_slot, gathered
+
+    @torch.no_grad()
+    def _reshard_post_forward(self) -> None:
+        """Keep this rank's 1/k of the unsharded parameters, then reshard."""
+        k, i = self.post_forward_ranks.size, self.post_forward_ranks.rank
+        self._post_forward_data = torch.cat([p.unsharded_piece(k, i) for p in self.fsdp_params])
+        tag(self._post_forward_data, "params", label=f"{self.name} (1/{k} kept)")
+        for p in self.fsdp_params:
+            p.to_sharded()
+        self.sharded_state = ShardedState.SHARDED_POST_FORWARD
 
     def reshard(self) -> None:
         """Register the sharded DTensors again and free the unsharded storage (an all-gather
         still in flight is waited for and dropped)."""
         self.discard_unshard()
-        if self.sharded_state is ShardedState.SHARDED:
-            return
-        for p in self.fsdp_params:
-            p.to_sharded()
+        self._post_forward_data = None  # SHARDED_POST_FORWARD: the piece goes too
+        if self.sharded_state is ShardedState.UNSHARDED:
+            for p in self.fsdp_params:
+                p.to_sharded()
         self.sharded_state = ShardedState.SHARDED
 
     # ---- the step's transitions (called by FSDPState's hooks) -------------------------------
 
     def pre_forward(self) -> None:
         self.training_state = TrainingState.FORWARD
+        if self.sharded_state is ShardedState.SHARDED_POST_FORWARD:
+            self.reshard()  # no backward came since: gather the (maybe updated) shards
         self.unshard()  # a no-op if a prefetch issued it already ...
         self.wait_for_unshard()  # ... which is then finished here
 
     def post_forward(self) -> None:
-        if self.reshard_after_forward:
+        if self.reshard_after_forward and self.post_forward_ranks is not None and \
+                torch.is_grad_enabled():  # no backward, no piece to keep
+            self._reshard_post_forward()
+        elif self.reshard_after_forward:
             self.reshard()
         self.training_state = TrainingState.IDLE
 
@@ -306,76 +344,13 @@ class FSDPParamGroup:
         if self.reshard_after_backward:
             self.reshard()  # before the copy-in: params and the buffer need not coexist
         if with_grad:
-            self._reduce_scatter(with_grad, grads)
+            foreach_reduce(self, with_grad, grads)
 
     def finalize_backward(self) -> None:
         """End of backward (the root's callback): run ``post_backward`` if it did not run."""
         if self.training_state is not TrainingState.POST_BACKWARD:
             self.post_backward()
         self.training_state = TrainingState.IDLE
-
-    # ---- reduce-scatter ------------------------------------------------------------------------
-
-    def _reduce_scatter(self, params: list[FSDPParam], grads: list[torch.Tensor]) -> None:
-        """Average the gradients over ranks, keeping this rank's rows of each as the sharded
-        parameter's ``.grad`` (a DTensor viewing the output), or adding into it.
-
-        In the reduce dtype (the copy-in casts), averaged as torch does
-        (``gradient_divide_factors``: the backend's AVG for fp32 / bf16, else SUM between a
-        pre- and a post-division), then cast to the shards' dtype (Note [mixed precision]).
-        HSDP: reduce-scatter within the shard group, then all-reduce the output across the
-        replicate group, both with ``op``; the divisions are sized for all R S ranks."""
-        flat = self._reduce_scatter_copy_in(params, grads)
-        grads.clear()  # the unsharded gradients die here
-        pre, post, op = gradient_divide_factors(self.world_size, flat.dtype,
-                                                self.mesh_info.replicate_size)
-        divide_if_needed(flat, pre)
-        out = flat.new_empty(flat.numel() // self.world_size)
-        # the sharded grads view the output -- unless it is cast up below, then it is transient
-        tag(out, "grads" if out.dtype == self.dtypes.orig else "comm")
-        comm.reduce_scatter_tensor(out, flat, op, self.process_group,
-                                   tag=f"fsdp2 grads {self.name}")
-        del flat
-        if self.replicate_group is not None:  # Note [HSDP]: only my 1/S slot crosses nodes
-            if not self.all_reduce_grads:  # Note [HSDP accumulation]: keep it, reduced over S
-                if self._partial_reduce_output is None:
-                    self._partial_reduce_output = out
-                else:
-                    self._partial_reduce_output += out
-                return
-            if self._partial_reduce_output is not None:
-                out += self._partial_reduce_output
-                self._partial_reduce_output = None
-            comm.all_reduce(out, op, self.replicate_group,
-                            tag=f"fsdp2 grads-allreduce {self.name}")
-        divide_if_needed(out, post)
-        if out.dtype != self.dtypes.orig:
-            out = out.to(self.dtypes.orig)  # e.g. a bf16 reduce: fp32 .grad for the optimizer
-            tag(out, "grads")
-        offset = 0
-        for p in params:
-            mine = out[offset: offset + p.sharded_numel].view(p.sharded_size)
-            offset += p.padded_shard_numel  # skip this parameter's padding
-            if p.sharded_param.grad is None:
-                p.sharded_param.grad = p.to_sharded_dtensor(mine)
-            else:  # gradient accumulation over several backwards
-                p.sharded_param.grad._local_tensor.add_(mine)
-
-    @torch.no_grad()
-    def _reduce_scatter_copy_in(self, params: list[FSDPParam],
-                                grads: list[torch.Tensor]) -> torch.Tensor:
-        """The gradients in rank-major order, ``(N * S,)``: slot r holds chunk r of every
-        gradient, each zero-padded to its padded shard size (S = their sum), in the reduce
-        dtype: ``_chunk_cat`` casts as it copies (Note [mixed precision])."""
-        dtype = self.dtypes.reduce or grads[0].dtype
-        if len({g.dtype for g in grads}) > 1:  # fp32 accumulators next to fresh bf16 grads
-            grads[:] = [g.to(dtype) for g in grads]  # (torch refuses this case)
-        slot_numel = sum(p.padded_shard_numel for p in params)
-        flat = grads[0].new_empty(self.world_size * slot_numel, dtype=dtype)
-        tag(flat, "comm")
-        torch._chunk_cat(grads, dim=0, num_chunks=self.world_size,
-                         out=flat.view(self.world_size, slot_numel))
-        return flat
 
     def __repr__(self) -> str:
         return (f"FSDPParamGroup({self.name!r}, {len(self.fsdp_params)} params, "

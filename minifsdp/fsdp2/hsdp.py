@@ -58,7 +58,7 @@ last may reduce as usual (the default) or skip part of it:
     gradients until the last backward (S times a gradient shard's memory, no traffic);
   * ``set_requires_all_reduce(False)`` -- torch's, for HSDP -- reduce-scatters within the node
     as usual but keeps the output (averaged over S, not yet post-divided) in the group's
-    ``_partial_reduce_output``, writes no ``.grad`` and skips the inter-node all-reduce; the
+    ``partial_reduce_output``, writes no ``.grad`` and skips the inter-node all-reduce; the
     next backward that all-reduces adds it in first. The slow links carry one all-reduce per
     step instead of one per micro-batch, for one gradient shard of memory.
 Both add the same numbers in the same order as torch (``foreach_reduce``: ``partial += out``,
@@ -66,8 +66,23 @@ later ``out += partial``), so they are bitwise equal to torch's (tests/test_fsdp
 in torch, ``zero_grad`` does not clear a kept sum: end every step's accumulation with a
 backward under ``set_requires_all_reduce(True)``.
 
-Not implemented (torch has them): ``reshard_after_forward=<int>``, meshes of other dims
-(tensor / pipeline parallelism), and ``DataParallelMeshDims`` for picking the dims by name.
+Note [reshard to k ranks]: ``reshard_after_forward=k`` (torch's int form; k divides the shard
+size S) is the middle ground between True (backward all-gathers over all S ranks again) and
+False (keep the unsharded parameters from forward to backward). After forward each rank keeps
+the 1/k of every unsharded parameter that its position in a group of k contiguous ranks
+selects -- a copy, so the unsharded buffer is freed -- and backward all-gathers those pieces
+within the k ranks: with k = GPUs per node, fast links only, for P/k bytes held per group
+instead of P/S. torch builds the groups as ``DeviceMesh(mesh.mesh.view(-1, k))`` (on a 2-D
+HSDP mesh, groups of k inside a shard group, as S is a multiple of k) and so do we, once per
+(mesh, k). Like torch, k = 1 means False and k = S means True. Between forward and backward
+the modules hold the sharded DTensors (torch registers the k-way piece as a DTensor on the
+k-rank mesh; nothing reads it there, so we keep one kind of sharded parameter); a forward that
+finds a group still holding its piece (no backward came) drops it and all-gathers the shards
+afresh, as the optimizer may have changed them. The numbers are unchanged: an all-gather only
+copies (tests/test_fsdp2.py's worker: bitwise equal to torch's with k = 2 at N = 4).
+
+Not implemented (torch has them): meshes of other dims (tensor / pipeline parallelism), and
+``DataParallelMeshDims`` for picking the dims by name.
 """
 
 from __future__ import annotations
@@ -110,6 +125,45 @@ class MeshInfo:
     @property
     def is_hsdp(self) -> bool:
         return self.replicate_group is not None
+
+
+@dataclass(frozen=True)
+class PostForwardInfo:
+    """The k ranks a group reshards to after forward (Note [reshard to k ranks]): their
+    process group, this rank's position in it, and k."""
+
+    group: dist.ProcessGroup
+    rank: int
+    size: int
+
+
+_POST_FORWARD_GROUPS: dict[tuple, PostForwardInfo] = {}
+
+
+def post_forward_info(info: MeshInfo, reshard_after_forward: bool | int | None,
+                      ) -> tuple[bool | None, PostForwardInfo | None]:
+    """Read ``fully_shard``'s ``reshard_after_forward``: ``None`` / ``True`` / ``False`` as they
+    are; an int k dividing the shard size S reshards to k ranks (k = 1 is False, k = S True).
+
+    Example (4 ranks, a 1-D mesh, rank 3)::
+
+        >>> post_forward_info(mesh_info(mesh), 2)                 # doctest: +SKIP
+        (True, PostForwardInfo(group=<ranks 2, 3>, rank=1, size=2))
+    """
+    k = reshard_after_forward
+    if k is None or isinstance(k, bool):
+        return k, None
+    if not isinstance(k, int) or not 1 <= k <= info.shard_size or info.shard_size % k:
+        raise ValueError(f"reshard_after_forward={k!r}: pass a bool, or an int that divides the "
+                         f"shard group's size {info.shard_size} (the ranks to reshard to)")
+    if k in (1, info.shard_size):
+        return k == info.shard_size, None
+    ranks = info.mesh.mesh
+    key = (info.mesh.device_type, tuple(ranks.flatten().tolist()), k)
+    if key not in _POST_FORWARD_GROUPS:  # new groups: every rank gets here in the same order
+        sub = DeviceMesh(info.mesh.device_type, ranks.view(-1, k))
+        _POST_FORWARD_GROUPS[key] = PostForwardInfo(sub.get_group(1), sub.get_local_rank(1), k)
+    return True, _POST_FORWARD_GROUPS[key]
 
 
 def mesh_info(mesh: DeviceMesh) -> MeshInfo:

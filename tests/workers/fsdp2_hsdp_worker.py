@@ -6,7 +6,8 @@ raw numbers, the test asserts on them.
 Cases train the tiny tied-embedding GPT (units: each block, then the root) ``STEPS`` AdamW
 steps with ours and with torch's: mixed precision policies (bf16 with an fp32 and a bf16
 reduce, and an fp16 reduce, whose divisions are split around the two collectives) and
-gradient accumulation without sync. Then state dicts on the 2-D mesh and the mesh errors.
+gradient accumulation without sync. Then state dicts on the 2-D mesh, ``reshard_after_forward=2``
+on a 1-D mesh of the 4 ranks, and the mesh errors.
 """
 
 import torch
@@ -144,6 +145,45 @@ def state_dicts() -> dict:
     }
 
 
+def reshard_to_k() -> dict:
+    """``reshard_after_forward=2`` on a 1-D mesh of 4 (Note [reshard to k ranks]): ours and
+    torch's, each block a unit, AdamW, accumulation of 2 micro-batches; what a block keeps
+    between forward and backward; the all-gathers' group sizes; and a k that does not divide."""
+    flat = init_device_mesh(info.device.type, (N,))
+    out = {}
+    for impl, fully_shard in (("ours", fsdp2.fully_shard), ("torch", torch_fully_shard)):
+        model = gpt()
+        for block in model.blocks:
+            fully_shard(block, mesh=flat, reshard_after_forward=2)
+        fully_shard(model, mesh=flat)
+        with comm.logging_comm() as log:
+            losses = train(model, micro=2)
+        out[impl] = (losses, full(model))
+        if impl == "ours":
+            calls = [(c.op, c.group_size) for c in log.comms()]
+            group = model.blocks[0]._fsdp_state.group
+            x, _ = batch(0, 0)
+            model(x)  # forward only: what block 0 keeps for its backward
+            kept = {"state": group.sharded_state.name, "numel": group._post_forward_data.numel(),
+                    "unsharded_numel": sum(p.numel() for p in model.blocks[0].parameters()),
+                    "padded_unsharded_numel": sum(N * p.padded_shard_numel
+                                                  for p in group.fsdp_params)}
+            with comm.logging_comm() as again:  # a forward without backward in between:
+                model(x)  # drop the piece, gather the (maybe stepped) shards over all ranks
+            kept["second_forward_gathers"] = [c.group_size for c in again.comms()
+                                              if c.tag.endswith("blocks.0")]
+            kept["after_second_forward"] = group.sharded_state.name
+    bad = gpt()
+    try:
+        fsdp2.fully_shard(bad.blocks[0], mesh=flat, reshard_after_forward=3)
+        error = None
+    except ValueError as e:
+        error = str(e)
+    return {"losses": {k: v[0] for k, v in out.items()}, **compare(out["ours"][1], out["torch"][1]),
+            "calls": sorted({c: calls.count(c) for c in set(calls)}.items()), "kept": kept,
+            "error": error, "error_untouched": not isinstance(bad.blocks[0].ln1.weight, DTensor)}
+
+
 def errors() -> dict:
     out = {}
     meshes = {
@@ -169,6 +209,7 @@ out = {
     "accumulate_no_sync": run_case(None, micro=2, no_sync=True),
     "accumulate_all_reduce_last": run_case(None, micro=2, all_reduce_last=True),
     "state_dict": state_dicts(),
+    "reshard_to_k": reshard_to_k(),
     "errors": errors(),
 }
 finish(out)

@@ -1,0 +1,98 @@
+"""A group's gradient reduction after its backward: reduce-scatter within the shard group,
+HSDP's all-reduce across replicas, the mixed-precision dtypes and torch's division rules
+(torch: ``foreach_reduce`` in ``_fsdp_collectives.py``)::
+
+    unsharded grads --copy-in (cast to the reduce dtype)--> [rank 0 | rank 1 | ...]
+        --reduce-scatter--> my slot  (HSDP: --all-reduce across replicas-->)
+        --divide, cast to the shards' dtype--> views: each sharded parameter's .grad
+
+``FSDPParamGroup.post_backward`` (``fsdp_param_group.py``) decides whether to reduce at all
+(Note [accumulating without communication]) and hands the gradients over.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from minifsdp import comm
+from minifsdp.fsdp2.fsdp_param import FSDPParam
+from minifsdp.fsdp2.mixed_precision import divide_if_needed, gradient_divide_factors
+from minifsdp.memory import tag
+
+if TYPE_CHECKING:
+    from minifsdp.fsdp2.fsdp_param_group import FSDPParamGroup
+
+
+@torch.no_grad()
+def foreach_reduce(group: FSDPParamGroup, params: list[FSDPParam],
+                   grads: list[torch.Tensor]) -> None:
+    """Average ``grads`` (the unsharded gradients of ``params``, in order) over the ranks,
+    keeping this rank's rows of each as the sharded parameter's ``.grad`` (a DTensor viewing
+    the output), or adding into it. ``grads`` is emptied: the gradients die at the copy-in.
+
+    In the reduce dtype (the copy-in casts), averaged as torch does
+    (``gradient_divide_factors``: the backend's AVG for fp32 / bf16, else SUM between a
+    pre- and a post-division), then cast to the shards' dtype (Note [mixed precision]).
+    HSDP: reduce-scatter within the shard group, then all-reduce the output across the
+    replicate group, both with ``op``; the divisions are sized for all R S ranks.
+
+    Example (what ``post_backward`` does; N ranks, a group of one ``Linear(8, 4)``)::
+
+        grads = [p.take_unsharded_grad() for p in group.fsdp_params]   # (4, 8), (4,)
+        foreach_reduce(group, group.fsdp_params, grads)
+        lin.weight.grad.to_local().shape                    # (4 / N rows, 8), averaged
+    """
+    flat = reduce_scatter_copy_in(group, params, grads)
+    grads.clear()  # the unsharded gradients die here
+    pre, post, op = gradient_divide_factors(group.world_size, flat.dtype,
+                                            group.mesh_info.replicate_size)
+    divide_if_needed(flat, pre)
+    out = flat.new_empty(flat.numel() // group.world_size)
+    # the sharded grads view the output -- unless it is cast up below, then it is transient
+    tag(out, "grads" if out.dtype == group.dtypes.orig else "comm")
+    comm.reduce_scatter_tensor(out, flat, op, group.process_group,
+                               tag=f"fsdp2 grads {group.name}")
+    del flat
+    if group.replicate_group is not None:  # Note [HSDP]: only my 1/S slot crosses nodes
+        if not group.all_reduce_grads:  # Note [HSDP accumulation]: keep it, reduced over S
+            if group.partial_reduce_output is None:
+                group.partial_reduce_output = out
+            else:
+                group.partial_reduce_output += out
+            return
+        if group.partial_reduce_output is not None:
+            out += group.partial_reduce_output
+            group.partial_reduce_output = None
+        comm.all_reduce(out, op, group.replicate_group,
+                        tag=f"fsdp2 grads-allreduce {group.name}")
+    divide_if_needed(out, post)
+    if out.dtype != group.dtypes.orig:
+        out = out.to(group.dtypes.orig)  # e.g. a bf16 reduce: fp32 .grad for the optimizer
+        tag(out, "grads")
+    offset = 0
+    for p in params:
+        mine = out[offset: offset + p.sharded_numel].view(p.sharded_size)
+        offset += p.padded_shard_numel  # skip this parameter's padding
+        if p.sharded_param.grad is None:
+            p.sharded_param.grad = p.to_sharded_dtensor(mine)
+        else:  # gradient accumulation over several backwards
+            p.sharded_param.grad._local_tensor.add_(mine)
+
+
+@torch.no_grad()
+def reduce_scatter_copy_in(group: FSDPParamGroup, params: list[FSDPParam],
+                           grads: list[torch.Tensor]) -> torch.Tensor:
+    """The gradients in rank-major order, ``(N * S,)``: slot r holds chunk r of every
+    gradient, each zero-padded to its padded shard size (S = their sum), in the reduce
+    dtype: ``_chunk_cat`` casts as it copies (Note [mixed precision])."""
+    dtype = group.dtypes.reduce or grads[0].dtype
+    if len({g.dtype for g in grads}) > 1:  # fp32 accumulators next to fresh bf16 grads
+        grads[:] = [g.to(dtype) for g in grads]  # (torch refuses this case)
+    slot_numel = sum(p.padded_shard_numel for p in params)
+    flat = grads[0].new_empty(group.world_size * slot_numel, dtype=dtype)
+    tag(flat, "comm")
+    torch._chunk_cat(grads, dim=0, num_chunks=group.world_size,
+                     out=flat.view(group.world_size, slot_numel))
+    return flat
