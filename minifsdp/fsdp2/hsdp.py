@@ -79,7 +79,7 @@ the modules hold the sharded DTensors (torch registers the k-way piece as a DTen
 k-rank mesh; nothing reads it there, so we keep one kind of sharded parameter); a forward that
 finds a group still holding its piece (no backward came) drops it and all-gathers the shards
 afresh, as the optimizer may have changed them. The numbers are unchanged: an all-gather only
-copies (tests/test_fsdp2.py's worker: bitwise equal to torch's with k = 2 at N = 4).
+copies (tests/test_fsdp2_hsdp.py's worker: bitwise equal to torch's with k = 2 at N = 4).
 
 Not implemented (torch has them): meshes of other dims (tensor / pipeline parallelism), and
 ``DataParallelMeshDims`` for picking the dims by name.
