@@ -21,6 +21,7 @@ from __future__ import annotations
 import gzip
 import hashlib
 import os
+import zlib
 from pathlib import Path
 
 import torch
@@ -72,10 +73,15 @@ def prepare_mnist(root: Path | None = None) -> Path:
                 with gzip.open(gz, "rb") as f_in, open(tmp, "wb") as f_out:
                     while block := f_in.read(1 << 20):
                         f_out.write(block)
-            except (OSError, EOFError) as e:  # gzip.BadGzipFile is an OSError
+            # gzip.BadGzipFile is an OSError (bad header, CRC), EOFError a truncated file, and
+            # zlib.error a corrupted deflate stream: the same fault for a reader, one message.
+            except (OSError, EOFError, zlib.error) as e:
                 tmp.unlink(missing_ok=True)
                 raise ValueError(f"MNIST file {gz} is corrupted and cannot be decompressed: "
                                  f"{e}") from e
+            except BaseException:  # Ctrl-C halfway: leave no half-written temporary behind
+                tmp.unlink(missing_ok=True)
+                raise
             tmp.replace(out)
         # Hashing 55 MB costs seconds in every worker of every run: remember a verified file by
         # its size and mtime, so only a file that changed since its check is hashed again.

@@ -57,6 +57,20 @@ def test_truncated_gzip_is_named_in_the_error(mnist_copy):
         prepare_mnist(mnist_copy)
 
 
+def test_corrupted_deflate_stream_is_named_and_leaves_no_temporary(mnist_copy):
+    # A valid gzip header, then a flipped byte inside the compressed data: zlib itself fails
+    # (zlib.error, "invalid ... distance"), not gzip's CRC check at the end.
+    gz = mnist_copy / "MNIST" / "t10k-images-idx3-ubyte.gz"
+    data = bytearray(gz.read_bytes())
+    for i in range(2000, 2400):
+        data[i] ^= 0x5A
+    gz.write_bytes(bytes(data))
+    with pytest.raises(ValueError, match=r"t10k-images-idx3-ubyte\.gz is corrupted"):
+        prepare_mnist(mnist_copy)
+    raw = mnist_copy / "MNIST" / "raw"
+    assert not [p.name for p in raw.iterdir() if p.name.endswith(".tmp")]
+
+
 def test_missing_file_is_named_in_the_error(mnist_copy):
     (mnist_copy / "MNIST" / "train-images-idx3-ubyte.gz").unlink()
     with pytest.raises(FileNotFoundError, match=r"train-images-idx3-ubyte\.gz"):
