@@ -1,7 +1,23 @@
-"""Small helpers the notebooks use to show the package's code and check exercises.
+"""Small helpers the notebooks use to show the package's code, check claims and exercises.
 
 The notebooks never copy package code into cells: they print the real source with
 ``show_source`` (so what a reader sees is what runs) and then launch it.
+
+Note [what a notebook prints]: a stored output must hold on the reader's machine, and PyTorch
+picks its kernels by CPU (``ATEN_CPU_CAPABILITY``, MKL's code path, oneDNN's ISA), so the last
+bits of a loss or of a difference between two implementations differ between machines. Two
+kinds of output therefore exist:
+
+- exact, machine-independent facts print as they are: byte and element counts, collective
+  counts, shapes, ``torch.equal`` between two runs on *this* machine, ratios of exact counts;
+- anything whose digits depend on the CPU's kernels (losses, drifts, differences that are not
+  bitwise zero, timings) prints as a ``claim``: the statement and its bound, checked, with the
+  measured value shown only when the claim is false.
+
+``claim`` is also how the prose stays honest: every number a markdown cell states is restated
+by a ``claim`` in the code cell next to it, so a notebook whose text drifts from its
+measurements fails nbval instead of misleading a reader. The test suite re-executes every
+notebook as another CPU (tests/conftest.py) to prove the stored outputs are of the first kind.
 """
 
 from __future__ import annotations
@@ -36,6 +52,33 @@ def show_source(obj: Any, *, start: str | None = None, end: str | None = None) -
         rel = path.relative_to(path.parents[2])
     print(f"# {rel}, line {first}")
     print("".join(lines).rstrip())
+
+
+class ClaimError(AssertionError):
+    """A statement a notebook makes about its own measurements is false."""
+
+
+def claim(statement: str, holds: bool, measured: Any = None) -> None:
+    """Print ``✓ statement`` if ``holds``; else raise ``ClaimError`` showing ``measured``.
+
+    The statement is what the prose says, bound included; ``measured`` is the number behind
+    it (any object), printed only on failure, so a CPU-dependent value never becomes part of
+    a stored output while the check on it still runs (Note [what a notebook prints]).
+
+    Example:
+        >>> drift = 0.0271                       # depends on the CPU's kernels
+        >>> claim("bf16 drifts from fp32 by less than 0.05", drift < 0.05, drift)
+        ✓ bf16 drifts from fp32 by less than 0.05
+        >>> claim("ZeRO-2 sends 1.000x DDP's bytes", 1.5 == 1.0, 1.5)  # doctest: +IGNORE_EXCEPTION_DETAIL
+        Traceback (most recent call last):
+        ClaimError: ✗ ZeRO-2 sends 1.000x DDP's bytes -- measured: 1.5
+    """
+    if type(holds).__name__ not in ("bool", "bool_"):  # Python's or NumPy's bool only:
+        # a tensor or a number here is almost always a forgotten comparison
+        raise TypeError(f"claim({statement!r}, ...) needs a bool, got {type(holds).__name__} (compare, or use .item())")
+    if not holds:
+        raise ClaimError(f"✗ {statement} -- measured: {measured!r}")
+    print(f"✓ {statement}")
 
 
 def _find(lines: list[str], marker: str, obj: Any) -> int:
