@@ -124,22 +124,26 @@ def test_prefetching_changes_no_bit(worker):
 
 # ---- memory ------------------------------------------------------------------------------------
 
-# Measured (N = 2, 4 units of Linear(256, 256), U = 263,168 B; every rank): peak 1,583,112 B
-# without prefetching, 1,722,888 B with (backward, or forward + backward): +139,776 B = 0.53 U.
-# Not a full U: without prefetching the peak is the *last* unit's reduce-scatter, where the
-# most sharded gradients exist; with it, the peak moves one unit earlier, where a prefetched
-# buffer (+U) is in flight but one unit's sharded gradients (U/2) are not yet there.
+# Measured (N = 2, 4 units of Linear(256, 256), U = 263,168 B; every rank, every run): the
+# attributed peak (all but "other") is 1,455,624 B without prefetching and 1,587,208 B with
+# (backward, or forward + backward): +131,584 B = U/2. Not a full U: without prefetching the
+# peak is the *last* unit's reduce-scatter, where the most sharded gradients exist; with it,
+# the peak moves one unit earlier, where a prefetched buffer (+U) is in flight but one unit's
+# sharded gradients (U/2) are not yet there. The *total* peak also holds gloo's temporaries,
+# which its thread frees when it likes: without prefetching 1,583,112 B in most runs but
+# 1,722,888 B (the usual prefetching peak) in some, with prefetching 1,722,888 to 1,858,568 B,
+# all on a loaded machine. So the test compares what is deterministic (Note [prefetch memory]).
 def test_prefetch_holds_two_groups_at_once(worker):
     """Note [prefetch memory]: each prefetch is issued while the current group is unsharded,
     so for a while one group's unsharded parameters (``params`` = shards + U) and the next
-    group's all-gather buffer (``comm`` = U) coexist -- never without prefetching. The step's
-    peak grows, by at most one group (U), and at the peak ``comm`` holds the reduce-scatter
-    input *and* a prefetched buffer."""
+    group's all-gather buffer (``comm`` = U) coexist -- never without prefetching. The
+    step's attributed peak grows, by at most one group (U), and ``comm`` reaches twice U:
+    the reduce-scatter input *and* a prefetched buffer."""
     for r in worker[2]:
         mem = r["memory"]
         none, U, Ps = mem["none"], mem["none"]["U"], mem["none"]["Ps"]
         assert none["moments"] == []
-        assert none["peak_by_category"]["comm"] == U
+        assert none["comm_max"] == U
         for config in ("backward", "forward_backward"):
             m = mem[config]
             moments = m["moments"]
@@ -148,8 +152,8 @@ def test_prefetch_holds_two_groups_at_once(worker):
             for moment in moments:
                 assert moment["params"] == Ps + U and moment["comm"] == U, moment
                 assert len(moment["unsharded"]) == 1
-            assert 0 < m["peak"] - none["peak"] <= U, config
-            assert m["peak_by_category"]["comm"] == 2 * U, config
+            assert 0 < m["attributed_peak"] - none["attributed_peak"] <= U, config
+            assert m["comm_max"] == 2 * U, config
 
 
 # ---- in process: a world of one ----------------------------------------------------------------

@@ -54,8 +54,12 @@ prefetches that no forward consumed, at the end of backward for backward ones, a
 Note [prefetch memory]: a prefetched group's all-gather buffer (N padded shards: the size of
 its unsharded parameters) lives from the issue to the copy-out, i.e. while the current group
 is unsharded and computing: two groups' parameters at once instead of one (three with a
-list of two). The step's peak grows by up to one group's unsharded size when it falls in
-such a window (tests/test_fsdp2_prefetch.py measures it).
+list of two). The peak of what we allocate grows by up to one group's unsharded size when it
+falls in such a window (tests/test_fsdp2_prefetch.py measures it). On CPU the *total* peak
+also moves between runs, by up to about a group, through untagged memory (``other``) freed at
+moments no program order fixes (gloo's worker thread holds tensors past ``wait()``: ``_free``
+in fsdp_param_group.py); the test compares the peak of the tagged categories, which is
+deterministic (measured: the same bytes in every run, on a loaded machine too).
 
 Note [prefetch on GPUs] (untested here: this machine has no GPU). torch uses two extra
 streams. ``unshard`` runs the copy-in on ``all_gather_copy_in_stream`` and the NCCL

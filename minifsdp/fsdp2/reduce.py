@@ -54,7 +54,11 @@ def foreach_reduce(group: FSDPParamGroup, params: list[FSDPParam],
     tag(out, "grads" if out.dtype == group.dtypes.orig else "comm")
     comm.reduce_scatter_tensor(out, flat, op, group.process_group,
                                tag=f"fsdp2 grads {group.name}")
-    del flat
+    # Free the input here and now, not by dropping our reference: gloo's worker thread holds
+    # it for a moment after the (blocking) collective returns, and a free at a time of its
+    # choosing would move the step's peak from run to run (as ``_free`` in
+    # fsdp_param_group.py does for the all-gather buffer).
+    flat.untyped_storage().resize_(0)
     if group.replicate_group is not None:  # Note [HSDP]: only my 1/S slot crosses nodes
         if not group.all_reduce_grads:  # Note [HSDP accumulation]: keep it, reduced over S
             if group.partial_reduce_output is None:

@@ -232,6 +232,11 @@ def memory(forward: str, backward: str) -> dict:
     g = GROUPS[0]
     return {"peak": tracker.peak, "peak_by_category": tracker.peak_by_category,
             "peak_phase": tracker.peak_phase, "moments": list(MOMENTS),
+            # The total peak also holds "other", untagged memory of which some is freed at
+            # moments no program order fixes (Note [prefetch memory]): the total peak moves
+            # between runs. The tagged categories' peak, and comm's, are deterministic.
+            "attributed_peak": max(s["total"] - s.get("other", 0) for s in tracker.timeline),
+            "comm_max": max(s.get("comm", 0) for s in tracker.timeline),
             "U": 4 * N * sum(p.padded_shard_numel for p in g.fsdp_params),
             "Ps": sum(4 * p.padded_shard_numel for g in GROUPS for p in g.fsdp_params)}
 
