@@ -434,22 +434,45 @@ def _read_logs(log_dir: Path, stream: str) -> dict[int, str]:
 
 
 def _worker_error(name: str, launcher_out: str, errs: dict[int, str], code: int) -> WorkerError:
-    # torchrun's summary names the first failure: "Root Cause ... rank      : 1 (local_rank: 1)"
-    m = re.search(r"Root Cause.*?rank\s*:\s*(\d+)", launcher_out, re.S)
+    # torchrun's summary names the first failure and how it ended:
+    #   Root Cause ... rank : 1 (local_rank: 1)  exitcode : -9 (pid: 13212)  (SIGKILL)
+    m = re.search(r"Root Cause.*?rank\s*:\s*(\d+).*?exitcode\s*:\s*(-?\d+)", launcher_out, re.S)
     failed = [r for r, t in sorted(errs.items()) if "Traceback (most recent call last)" in t]
     rank = int(m.group(1)) if m else (failed[0] if failed else None)
-    if rank is not None and rank in errs:
-        msg = (f"{name}: rank {rank} failed (torchrun exit code {code}). Its stderr:\n"
-               f"{_tail(errs[rank], 60)}")
-        # Peers stopped by torchrun's SIGTERM printed their stacks (dist._install_stack_dumps):
-        # for a collective timeout, this shows where the rank that never arrived was.
-        for r, text in sorted(errs.items()):
-            if r != rank and "most recent call first" in text:
-                stack = text[text.rfind("Current thread"):] if "Current thread" in text else text
-                msg += f"\n----- rank {r} was stopped here -----\n{_tail(stack, 20)}"
-    else:  # failed before any worker started (bad arguments, import error in torchrun, ...)
-        msg = f"{name}: torchrun exited with code {code}:\n{_tail(launcher_out, 60)}"
+    if rank is None or rank not in errs:  # failed before any worker started (bad arguments,
+        return WorkerError(f"{name}: torchrun exited with code {code}:\n"  # an import error
+                           f"{_tail(launcher_out, 60)}", rank, errs)      # in torchrun, ...)
+    rank_code = int(m.group(2)) if m else code
+    own, _ = _split_stack_dump(errs[rank])
+    if rank_code < 0:  # killed by a signal: it could print nothing of its own
+        sig = signal.Signals(-rank_code).name if -rank_code in signal.valid_signals() else "?"
+        msg = f"{name}: rank {rank} was killed by signal {-rank_code} ({sig})"
+    else:
+        msg = f"{name}: rank {rank} failed (exit code {rank_code})"
+    msg += f". Its stderr:\n{_tail(own, 60)}" if own.strip() else " and printed nothing to stderr."
+    if rank_code == -signal.SIGKILL:
+        msg += ("\nSIGKILL comes from outside the program: the kernel's out-of-memory killer "
+                "sends it (see `dmesg`), as does `kill -9`.")
+    for r, text in sorted(errs.items()):
+        if r == rank:
+            continue
+        error, stack = _split_stack_dump(text)
+        if "Traceback (most recent call last)" in error:  # what the failure did to the others
+            msg += f"\n----- rank {r} then failed with -----\n{_tail(error, 12)}"
+        elif "File " in stack:
+            # Peers stopped by torchrun's SIGTERM printed their stacks (dist._install_stack_dumps):
+            # for a collective timeout, this shows where the rank that never arrived was.
+            msg += f"\n----- rank {r} was stopped here -----\n{_tail(stack, 20)}"
     return WorkerError(msg, rank, errs)
+
+
+def _split_stack_dump(text: str) -> tuple[str, str]:
+    """A rank's stderr -> (what it printed itself, the stack dump faulthandler appended when it
+    was stopped: "Current thread 0x... (most recent call first)"). A dump of a rank stopped
+    while garbage-collecting names no Python frame; it is returned all the same."""
+    at = re.search(r"^(\[rank\d+\]: )?(Current thread|Thread) 0x[0-9a-f]+ "
+                   r"\(most recent call first\)", text, re.M)
+    return (text, "") if at is None else (text[:at.start()], text[at.start():])
 
 
 def _tail(text: str, n: int) -> str:

@@ -35,6 +35,19 @@ def test_rank_exiting_without_traceback_is_named():
     assert "exit" in str(err.value).lower()
 
 
+def test_rank_killed_by_a_signal_names_it_and_shows_the_survivors_error():
+    with pytest.raises(WorkerError) as err:
+        torchrun(WORKER, "--mode", "kill", nproc=2, chapter="tests", name="launch_kill",
+                 timeout=120)
+    msg = str(err.value)
+    assert err.value.rank == 1
+    assert "rank 1 was killed by signal 9 (SIGKILL) and printed nothing" in msg
+    assert "out-of-memory killer" in msg
+    # rank 0's own error, not the stack dump of its stop (which names no Python frame)
+    assert "rank 0 then failed with" in msg and "Connection closed by peer" in msg
+    assert "Garbage-collecting" not in msg
+
+
 def test_hung_rank_fails_within_the_collective_timeout():
     t0 = time.monotonic()
     with pytest.raises(WorkerError) as err:

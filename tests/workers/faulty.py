@@ -4,10 +4,12 @@
     --mode crash  rank 1 raises before the collective
     --mode hang   rank 1 sleeps forever, so rank 0 waits in all_reduce
     --mode exit   rank 1 exits with code 3 without a traceback
+    --mode kill   rank 1 is killed by SIGKILL (the OOM killer's signal) while rank 0 waits
 """
 
 import argparse
 import os
+import signal
 import time
 
 import torch
@@ -28,6 +30,9 @@ if info.rank == 1:
         time.sleep(10_000)
     if args.mode == "exit":
         os._exit(3)
+    if args.mode == "kill":
+        time.sleep(1)  # rank 0 is inside all_reduce by now
+        os.kill(os.getpid(), signal.SIGKILL)
 for i in range(3):
     report_progress(i + 1, 3, loss=1.0 / (i + 1))
 dist.all_reduce(t)
