@@ -54,16 +54,13 @@ def plot_memory_timeline(memory: Mapping, ax=None, title="Live tensor memory", l
     ax.stackplot(xs, *[[s.get(c, 0) / MiB for s in tl] for c in cats], labels=cats,
                  colors=[COLORS[c] for c in cats], alpha=0.85, step="post")
     top = max(s["total"] for s in tl) / MiB
-    for k, (start, end, phase) in enumerate(_phase_spans([_coarse(s["phase"]) for s in tl])):
-        ax.axvspan(start, end, color="0.93" if k % 2 else "white", zorder=0)
-        if end - start >= 0.06 * len(tl):
-            ax.text((start + end) / 2, top * 1.04, phase, ha="center", va="bottom", fontsize=8)
+    _draw_phases(ax, tl, top)
     i_peak = max(xs, key=lambda i: tl[i]["total"])
     ax.annotate(f"peak {tl[i_peak]['total'] / MiB:.2f} MiB\n({tl[i_peak]['phase']})",
-                (i_peak, top), xytext=(i_peak, top * 1.2), fontsize=8, ha="center",
+                (i_peak, top), xytext=(i_peak, top * 1.32), fontsize=8, ha="center",
                 arrowprops={"arrowstyle": "->", "color": "0.3"})
-    ax.set(title=title, xlabel="memory event (order within the step)",
-           ylabel="live memory (MiB)", ylim=(0, top * 1.38), xlim=(0, max(xs[-1], 1)))
+    ax.set(title=title, xlabel=XLABEL, ylabel="live memory (MiB)", ylim=(0, top * 1.5),
+           xlim=(0, max(xs[-1], 1)))
     if legend:
         ax.legend(loc="upper left", fontsize=7, ncol=len(cats), frameon=False,
                   bbox_to_anchor=(0, -0.14))
@@ -90,15 +87,37 @@ def plot_label_timeline(memory: Mapping, ax=None, title="Live memory by label"):
                  colors=["0.65" if n.endswith("buffers") else cmap(k % 10)
                          for k, n in enumerate(names)])
     top = max([sum(col) for col in zip(*ys)] or [1])
-    for k, (start, end, phase) in enumerate(_phase_spans([_coarse(s["phase"]) for s in tl])):
-        ax.axvspan(start, end, color="0.93" if k % 2 else "white", zorder=0)
-        if end - start >= 0.06 * len(tl):
-            ax.text((start + end) / 2, top * 1.04, phase, ha="center", va="bottom", fontsize=8)
-    ax.set(title=title, xlabel="memory event (order within the step)", ylabel="MiB",
-           xlim=(0, max(len(tl) - 1, 1)), ylim=(0, top * 1.25))
+    _draw_phases(ax, tl, top)
+    ax.set(title=title, xlabel=XLABEL, ylabel="live memory (MiB)",
+           xlim=(0, max(len(tl) - 1, 1)), ylim=(0, top * 1.3))
     ax.legend(loc="upper left", fontsize=7, ncol=min(len(names), 8), frameon=False,
               bbox_to_anchor=(0, -0.14))
     return ax
+
+
+XLABEL = "memory event: each allocation or free, in the order of the step"
+
+
+def _draw_phases(ax, timeline: Sequence[Mapping], top: float) -> None:
+    """Shade the step's coarse phases in alternating bands and name each band above the data
+    (from ``top``), at its left edge: two narrow neighbours take two rows so that their names
+    never overlap. The tracker's ``(none)`` (before the first phase) stays unnamed."""
+    spans = _phase_spans([_coarse(s["phase"]) for s in timeline])
+    n, row_end = len(timeline), [-1.0, -1.0]  # where each row's last name ends
+    for k, (start, end, phase) in enumerate(spans):
+        ax.axvspan(start, end, color="0.93" if k % 2 else "white", zorder=0)
+        if end - start < 0.04 * n or phase == "(none)":
+            continue
+        # a character takes about 1.5% of the width at fontsize 8 on a 5-inch axis (on the
+        # safe side: a wider axis only leaves more room)
+        x, width = start + 0.005 * n, 0.015 * n * len(phase)
+        row = 0 if x >= row_end[0] else 1  # would run into the previous name: the next row
+        right = x + width > n  # the last band: name it from its right edge, inside the axes
+        # on a white box above the peak's arrow, which may pass behind it
+        ax.text(end if right else x, top * (1.04 + 0.09 * row), phase, va="bottom",
+                ha="right" if right else "left", fontsize=8, color="0.25", zorder=5,
+                bbox={"facecolor": "white", "edgecolor": "none", "pad": 0.5, "alpha": 0.9})
+        row_end[row] = x + width
 
 
 def _coarse(phase: str) -> str:
