@@ -655,11 +655,11 @@ def torch_memtracker(model, opt, inputs):
     out.update({str(getattr(k, "value", k)): v for k, v in peak.items()})
 
 
-def save_full_params(model: nn.Module, info: DistInfo) -> None:
-    """Gather the full (unsharded) parameters and save them from rank 0 for parity checks."""
+def full_params(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The full (unsharded) parameters under the model's own names, on the CPU, whatever the
+    strategy (a collective: every rank calls it). For parity checks."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    from minifsdp.dist import results_dir
     from minifsdp.fsdp1 import FullyShardedDataParallel, full_state_dict
 
     if isinstance(model, FullyShardedDataParallel):  # ours: torch's helper does not know it
@@ -670,9 +670,17 @@ def save_full_params(model: nn.Module, info: DistInfo) -> None:
     # torch strips its own DDP's "module." prefix; our wrappers (NaiveDDP, BucketedDDP) need
     # the same so that every strategy saves the model's own parameter names.
     torch.nn.modules.utils.consume_prefix_in_state_dict_if_present(sd, "module.")
+    return {k: v.detach().cpu() for k, v in sd.items()}
+
+
+def save_full_params(model: nn.Module, info: DistInfo) -> None:
+    """Gather the full (unsharded) parameters and save them from rank 0 for parity checks."""
+    from minifsdp.dist import results_dir
+
+    sd = full_params(model)
     if info.rank == 0:
         results_dir().mkdir(parents=True, exist_ok=True)
-        torch.save({k: v.detach().cpu() for k, v in sd.items()}, results_dir() / "params.pt")
+        torch.save(sd, results_dir() / "params.pt")
 
 
 if __name__ == "__main__":
