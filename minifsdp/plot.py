@@ -248,13 +248,15 @@ def plot_comm_timeline(records: Sequence[Mapping], step: int = -1, ax=None,
                 ax.text(ms[0] + ms[1] / 2, 0.5, r["tag"], ha="center", va="center", fontsize=6,
                         rotation=90)
     ax.set_yticks([0.5, 1.5], ["communication", "compute"])
-    ax.set(title=title, xlabel="time since the step's forward began (ms)", ylim=(0, 2))
+    # ylim to 2.6: the legend gets the band above the compute lane, never over a span
+    ax.set(title=title, xlabel="time since the step's forward began (ms)", ylim=(0, 2.6))
     handles, labels = ax.get_legend_handles_labels()
     seen = dict(zip(labels, handles))
     first = {}  # legend in the order the phases began, not the order they were drawn
     for r in inside:
         first.setdefault(r["op"], r["t_start"])
     order = sorted(seen, key=lambda op: first.get(op, 0.0))
-    ax.legend([seen[op] for op in order], order, fontsize=7, loc="upper right", ncol=4)
+    ax.legend([seen[op] for op in order], order, fontsize=7, loc="upper right", ncol=5,
+              frameon=False)
     ax.grid(axis="x", alpha=0.3)
     return ax
