@@ -317,14 +317,18 @@ def test_reshard_after_forward_false_keeps_the_blocks_unsharded(train_run):
 
 def test_worker_trains_like_torch_and_one_process(worker):
     """ours == torch bit for bit in every case at N = 2 and 3; == one process bit for bit at
-    N = 2 without accumulation; otherwise within twice torch's own distance (measured
-    3e-8 .. 1.3e-7: accumulation sums micro-batch averages in another order)."""
+    N = 2 without accumulation or clipping; otherwise within twice torch's own distance
+    (measured 3e-8 .. 1.3e-7: accumulation sums micro-batch averages in another order, and
+    clipping sums the ranks' squared shard norms where one process takes one norm of the
+    whole gradient -- whether those agree to the last bit depends on the CPU's reduction
+    kernels: bitwise on earlier CI machines, 3e-8 apart on an AVX-512/AMX Xeon, for torch's
+    ``fully_shard`` exactly as for ours)."""
     for n, ranks in worker.items():
         for r in ranks:
             for name, case in r["cases"].items():
                 assert case["bitwise_torch"] and case["ours_vs_torch"] == 0.0, (n, name)
                 assert case["losses"]["ours"] == case["losses"]["torch"], (n, name)
-                exact = n == 2 and "accumulate" not in name
+                exact = n == 2 and "accumulate" not in name and name != "clip"
                 if exact:
                     assert case["bitwise_single"], (n, name, case["ours_vs_single"])
                 assert case["ours_vs_single"] <= RELATIVE_TO_TORCH * case["torch_vs_single"]
