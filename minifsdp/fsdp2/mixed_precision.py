@@ -43,7 +43,7 @@ only transiently, unsharded, for the groups being computed: their parameters, gr
 all-gather buffers at 2 bytes per element instead of 4 (and activations at half, too). The
 reduce-scatter input is 4 bytes per element with an fp32 reduce_dtype, 2 with bf16.
 
-Numerics of reducing in bf16: bf16 keeps 8 significant bits (unit roundoff u = 2^-9). A
+Numerics of reducing in bf16: bf16 keeps 8 significant bits (unit roundoff u = 2^-8). A
 reduce-scatter sums N values with N - 1 additions, and gloo rounds every partial sum to
 bf16, in ring order, which differs from chunk to chunk: the error is up to about
 (N - 1) u sum|g_i|, and small contributions vanish against a large one. Measured on gloo at

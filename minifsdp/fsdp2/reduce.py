@@ -73,8 +73,10 @@ def foreach_reduce(group: FSDPParamGroup, params: list[FSDPParam],
                         tag=f"fsdp2 grads-allreduce {group.name}")
     divide_if_needed(out, post)
     if out.dtype != group.dtypes.orig:
-        out = out.to(group.dtypes.orig)  # e.g. a bf16 reduce: fp32 .grad for the optimizer
+        low = out
+        out = low.to(group.dtypes.orig)  # e.g. a bf16 reduce: fp32 .grad for the optimizer
         tag(out, "grads")
+        low.untyped_storage().resize_(0)  # now, not when gloo's thread lets go (as flat above)
     offset = 0
     for p in params:
         mine = out[offset: offset + p.sharded_numel].view(p.sharded_size)
