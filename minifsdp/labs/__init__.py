@@ -1,0 +1,187 @@
+"""Labs: you write one chapter's mechanism; real torchrun jobs check it against PyTorch.
+
+    python -m minifsdp.labs 02 --start     # copy the skeleton to labs/mine/lab02_ddp.py
+    # ... edit labs/mine/lab02_ddp.py ...
+    python -m minifsdp.labs 02             # check it: N = 2 and 3, bit for bit against torch
+
+or, in a notebook, ``labs.start("02")`` and ``labs.check("02")``. Each chapter's pieces sit
+together: the skeleton ``labs/labNN_*.py`` (the only file you edit, as a copy in ``labs/mine/``,
+which git ignores, so neither ``git pull`` nor the tests ever touch your work), and
+``minifsdp/labs/chNN.py`` with the lab's seams and cases and the chapter's exercise checkers.
+The solution is the package's own code behind each seam (``labs/README.md`` lists them).
+
+Modules: ``seams`` (where your code plugs in), ``report`` (the first divergence, in words),
+``worker`` (the torchrun entry point), ``chNN`` (one chapter each).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+from pathlib import Path
+
+from minifsdp.labs import seams
+from minifsdp.labs.report import Report, diverged, frames_in, last_exception
+from minifsdp.labs.seams import LAB_IDS, REFERENCE, LabFileError, get_lab
+from minifsdp.launch import WorkerError, WorkerTimeout, repo_root, torchrun
+
+__all__ = ["LAB_IDS", "Report", "check", "get_lab", "start", "your_file"]
+
+
+def your_file(lab_id: str) -> Path:
+    """Where your copy of the lab's skeleton lives: ``labs/mine/labNN_*.py``."""
+    lab = get_lab(lab_id)
+    return repo_root() / "labs" / "mine" / Path(lab.skeleton).name
+
+
+def start(lab_id: str) -> Path:
+    """Copy lab ``lab_id``'s skeleton to ``labs/mine/`` (never over an existing copy) and
+    return the copy's path. To start over, delete the copy first."""
+    lab, mine = get_lab(lab_id), your_file(lab_id)
+    if mine.exists():
+        print(f"{_rel(mine)} already exists: edit it, or delete it to start over")
+        return mine
+    mine.parent.mkdir(parents=True, exist_ok=True)
+    tmp = mine.with_suffix(".tmp")
+    shutil.copyfile(repo_root() / lab.skeleton, tmp)
+    tmp.replace(mine)
+    print(f"wrote {_rel(mine)}: fill in the TODO(lab {lab.id}), then labs.check({lab.id!r})")
+    return mine
+
+
+def check(lab_id: str, path: str | os.PathLike | None = None, *,
+          world_sizes: tuple[int, ...] | None = None, timeout: float = 120.0,
+          quiet: bool = False) -> Report:
+    """Run lab ``lab_id``'s cases in real torchrun jobs with your code in its seams; print
+    and return the ``Report``.
+
+    Args:
+        path: your file (default: ``labs/mine/labNN_*.py`` if you started, else the skeleton);
+            ``"reference"`` checks the package's own code (what the notebooks store).
+        world_sizes: the jobs to run (default: the lab's, usually N = 2 then 3); the first
+            failing job ends the check.
+        timeout: seconds per job before it counts as hung.
+
+    Example:
+        >>> report = check("00", "reference")   # doctest: +SKIP
+        ✓ lab 00 · ring all-reduce from send/recv: 40 checks bit for bit ... at N = 2 and 3
+        >>> report.ok                            # doctest: +SKIP
+        True
+    """
+    lab = get_lab(lab_id)
+    spec = _resolve(lab, path)
+    report = _check(lab, spec, world_sizes or lab.world_sizes, timeout)
+    if not quiet:
+        print(report)
+    return report
+
+
+def _resolve(lab: seams.Lab, path: str | os.PathLike | None) -> str:
+    if path == REFERENCE:
+        return REFERENCE
+    if path is None:
+        mine = your_file(lab.id)
+        return str(mine if mine.exists() else repo_root() / lab.skeleton)
+    text = str(path)
+    file, sep, name = text.rpartition(":") if not Path(text).exists() else (text, "", "")
+    file = file if sep else text
+    full = Path(file) if Path(file).is_absolute() else (Path.cwd() / file)
+    if not full.exists() and (repo_root() / file).exists():
+        full = repo_root() / file
+    return str(full) + (f":{name}" if sep else "")
+
+
+def _check(lab: seams.Lab, spec: str, world_sizes: tuple[int, ...], timeout: float) -> Report:
+    head = f"lab {lab.id} · {lab.title}"
+    try:
+        seams.load(lab, spec)  # a missing function or a syntax error: say so before launching
+    except LabFileError as e:
+        return Report(lab.id, lab.title, "bad file", [f"✗ {head}: {_strip_root(str(e))}"])
+    file_name = Path(spec.split(":")[0]).name if spec != REFERENCE else None
+    done: list[str] = []
+    total = 0
+    calls: dict[str, int] = {}
+    for n in world_sizes:
+        name = f"lab{lab.id}_n{n}_{os.getpid()}"
+        try:
+            run = torchrun("minifsdp.labs.worker", lab.id, nproc=n, name=name, chapter="labs",
+                           timeout=timeout, progress=False,
+                           env={"MINIFSDP_LAB_FILE": spec})
+        except WorkerTimeout as e:
+            return _hang(lab, head, n, e.logs, file_name, timeout)
+        except WorkerError as e:
+            return _failed(lab, head, n, e, file_name)
+        shutil.rmtree(run.out_dir, ignore_errors=True)
+        firsts = [r["first"] for r in run.ranks if r and r["first"]]
+        if firsts:
+            first = min(firsts, key=lambda f: (f["seq"], f["rank"]))
+            before = "; ".join(done + [f"N = {n}: {first['matched']} checks"])
+            return diverged(lab, n, first, before)
+        for seam, count in run.ranks[0]["calls"].items():
+            calls[seam] = calls.get(seam, 0) + count
+        checks = run.ranks[0]["checks"]
+        total += checks
+        done.append(f"N = {n} ({checks} checks)")
+    sizes = " and ".join(str(n) for n in world_sizes)
+    return Report(lab.id, lab.title, "pass",
+                  [f"✓ {head}: all {total} checks equal {lab.oracle} bit for bit at N = {sizes}"],
+                  calls=calls)
+
+
+def _failed(lab: seams.Lab, head: str, n: int, e: WorkerError, file_name: str | None) -> Report:
+    text = e.logs.get(e.rank, "") if e.rank is not None else ""
+    text = re.sub(r"(?m)^\[rank\d+\]:\s?", "", text or str(e))
+    exc = last_exception(text)
+    frames = frames_in(text, file_name) if file_name else []
+    where = f"{_strip_root(frames[-1][0])}:{frames[-1][1]}" if frames else None
+    if exc.startswith("NotImplementedError"):
+        lines = [f"✗ {head}: not started: {where or 'the skeleton'} raises {exc}",
+                 f"  start from a fresh copy: python -m minifsdp.labs {lab.id} --start "
+                 f"(writes {_rel(your_file(lab.id))}), fill in the TODO(lab {lab.id}), check again"]
+        return Report(lab.id, lab.title, "not started", lines, where=where)
+    if _is_timeout(text):
+        return _hang(lab, head, n, e.logs, file_name, None)
+    lines = [f"✗ {head}: crash at N = {n} on rank {e.rank}"
+             + (f" at {where}" if where else "") + f": {exc}"]
+    lines += [f"    {_strip_root(f)}:{ln}: {code}" for f, ln, code in frames]
+    if not frames:
+        lines.append("  " + _strip_root(_tail_lines(text, 12)).replace("\n", "\n  "))
+    return Report(lab.id, lab.title, "crash", lines, where=where, traceback=text)
+
+
+def _hang(lab: seams.Lab, head: str, n: int, logs: dict[int, str], file_name: str | None,
+          timeout: float | None) -> Report:
+    waited = "its timeout" if timeout else "a few seconds"
+    lines = [f"✗ {head}: hang at N = {n}: a collective waited {waited} for a peer that never "
+             "joined it. A collective issued on some ranks only, or in another order on each?"]
+    where = None
+    for r, text in sorted(logs.items()):
+        frames = frames_in(text, file_name) if file_name else []
+        if frames:
+            f, ln, code = frames[-1]
+            where = where or f"{_strip_root(f)}:{ln}"
+            lines.append(f"  rank {r} was at {_strip_root(f)}:{ln}: {code}")
+    lines.append("  read: Note [a lab never hangs] in minifsdp/labs/worker.py")
+    return Report(lab.id, lab.title, "hang", lines, where=where)
+
+
+def _is_timeout(text: str) -> bool:
+    return bool(re.search(r"[Tt]imed out|Timeout \(|Connection closed by peer|Connection reset",
+                          text))
+
+
+def _tail_lines(text: str, n: int) -> str:
+    return "\n".join(text.strip().splitlines()[-n:])
+
+
+def _rel(path: Path) -> str:
+    try:
+        return str(path.resolve().relative_to(repo_root()))
+    except ValueError:
+        return str(path)
+
+
+def _strip_root(text: str) -> str:
+    """Paths relative to the checkout, so a report reads the same on every machine."""
+    return text.replace(str(repo_root()) + os.sep, "")

@@ -1,0 +1,52 @@
+"""The torchrun worker behind ``labs.check``: install the reader's code, run the lab's cases.
+
+    python -m torch.distributed.run --standalone --nproc-per-node 2 -m minifsdp.labs.worker 00
+
+(with ``MINIFSDP_LAB_FILE=labs/mine/lab00_ring.py``; Note [installing a seam]). Each rank writes
+its ``Trace``'s results; ``minifsdp.labs.check`` reads them back and writes the report.
+
+Note [a lab never hangs]: the process group starts with the usual generous timeout, because
+ranks may take a while to import torch on a busy machine; once every rank has passed a barrier,
+``dist.set_timeout`` cuts it to ``MINIFSDP_LAB_TIMEOUT`` seconds (10 by default). The cases'
+collectives take milliseconds, so a collective still waiting after that was issued on some ranks
+only -- or in another order on each -- and it raises, the launcher stops every rank, and the
+report says "hang" with where each rank was, seconds after the mistake instead of never.
+Blocking point-to-point calls ignore that timeout on gloo (a ``dist.send`` that no peer
+receives waits forever), so a watchdog backs it up: ``faulthandler.dump_traceback_later``
+prints every thread's stack and ends the process when no check and no seam call happened for
+``WATCHDOG_S`` seconds (``report.heartbeat`` re-arms it).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import sys
+
+import torch.distributed as dist
+
+from minifsdp.dist import dist_setup, finish, seed_everything
+from minifsdp.labs import heartbeat, seams
+from minifsdp.labs.report import Trace
+
+LAB_TIMEOUT_S = 10.0
+WATCHDOG_S = 15.0
+
+
+def main(argv: list[str]) -> None:
+    lab = seams.get_lab(argv[0])
+    info = dist_setup()
+    seams.install(lab)
+    dist.barrier()  # every rank is here: from now on a wait longer than a few seconds is a bug
+    timeout = float(os.environ.get("MINIFSDP_LAB_TIMEOUT", LAB_TIMEOUT_S))
+    dist.set_timeout(datetime.timedelta(seconds=timeout))
+    heartbeat.arm(float(os.environ.get("MINIFSDP_LAB_WATCHDOG", WATCHDOG_S)))
+    seed_everything(0)
+    trace = Trace(info.rank, info.world_size, lab.hint)
+    lab.run(trace, info)
+    heartbeat.disarm()
+    finish(trace.results())
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,184 @@
+"""The lab checkers judge correctly: the package's own code passes every lab, each untouched
+skeleton reports "not started" at its TODO, and every planted bug in tests/lab_bugs/ is
+rejected where it first shows (STYLE.md: "A checker is trusted only when tests show it").
+
+Each bug module lists ``EXPECTED[bug] = dict(status, world_sizes, case=..., name=..., hint=...,
+where=...)``; the test runs that bug alone in its seam (``path:bug``) at those world sizes.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import inspect
+import json
+from pathlib import Path
+
+import pytest
+
+from minifsdp import labs
+from minifsdp.labs import seams
+from minifsdp.launch import repo_root
+
+ROOT = repo_root()
+BUG_DIR = Path(__file__).parent / "lab_bugs"
+
+
+def ready_labs() -> list[str]:
+    return [i for i in seams.LAB_IDS
+            if hasattr(importlib.import_module(f"minifsdp.labs.ch{i}"), "LAB")]
+
+
+def planted() -> list:
+    out = []
+    for lab in ready_labs():
+        path = BUG_DIR / f"lab{lab}.py"
+        if not path.exists():
+            continue
+        spec = importlib.util.spec_from_file_location(f"lab_bugs_{lab}", path)
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        for bug, want in mod.EXPECTED.items():
+            out.append(pytest.param(lab, bug, want, id=f"lab{lab}-{bug}"))
+    return out
+
+
+def test_every_lab_exists_with_planted_bugs():
+    assert ready_labs() == list(seams.LAB_IDS)
+    for lab in seams.LAB_IDS:
+        path = BUG_DIR / f"lab{lab}.py"
+        assert path.exists(), f"no planted bugs for lab {lab}"
+        bugs = [p for p in planted() if p.values[0] == lab]
+        assert len(bugs) >= 3, f"lab {lab} has {len(bugs)} planted bugs; the bar is 3"
+
+
+@pytest.mark.parametrize("lab", seams.LAB_IDS)
+def test_ids_agree_everywhere(lab):
+    """One id per lab, derived or checked, never typed twice differently (STYLE.md)."""
+    spec = seams.get_lab(lab)
+    assert spec.id == lab
+    skeleton = ROOT / spec.skeleton
+    assert skeleton.name.startswith(f"lab{lab}_"), skeleton
+    text = skeleton.read_text()
+    assert text.startswith(f'"""Lab {lab}: '), "the first line names the lab"
+    assert f"TODO(lab {lab})" in text
+    assert f'NotImplementedError("lab {lab}: ' in text
+    assert f"python -m minifsdp.labs {lab}" in "\n".join(text.splitlines()[:10]), \
+        "the skeleton's first ten lines say how to check it"
+    for note in spec.notes:
+        found = any(f"Note [{note}]" in p.read_text() for p in (ROOT / "minifsdp").rglob("*.py")
+                    if "labs" not in p.parts)
+        assert found, f"lab {lab} cites Note [{note}], which the package does not define"
+    nb = next((ROOT / "notebooks").glob(f"{lab}_*.ipynb"))
+    cells = ["".join(c["source"]) for c in json.loads(nb.read_text())["cells"]]
+    assert any(f'labs.check("{lab}", "reference")' in c for c in cells), \
+        f"{nb.name} has no Lab section running labs.check({lab!r}, 'reference')"
+    assert any(spec.skeleton in c for c in cells), f"{nb.name} does not name {spec.skeleton}"
+
+
+@pytest.mark.parametrize("lab", seams.LAB_IDS)
+def test_skeleton_takes_what_the_reference_takes(lab):
+    """The seam's reference and the skeleton have the same parameters (for a method, the
+    reference's ``self`` is the skeleton's first parameter, whatever its name)."""
+    spec = seams.get_lab(lab)
+    skeleton = seams._skeleton_module(spec)
+    for s in spec.seams:
+        ref = list(inspect.signature(getattr(*s.target())).parameters)
+        mine = list(inspect.signature(getattr(skeleton, s.fn_name)).parameters)
+        if "." in s.attr:  # a method
+            ref, mine = ref[1:], mine[1:]
+        assert mine == ref, f"{s.name}: skeleton {mine} vs reference {ref}"
+
+
+@pytest.mark.parametrize("lab", seams.LAB_IDS)
+def test_reference_passes_and_reaches_every_seam(lab):
+    report = labs.check(lab, "reference", quiet=True)
+    assert report.ok, str(report)
+    assert str(report).startswith(f"✓ lab {lab} · ")
+    assert all(report.calls[s.name] > 0 for s in seams.get_lab(lab).seams), report.calls
+
+
+@pytest.mark.parametrize("lab", seams.LAB_IDS)
+def test_untouched_skeleton_is_not_started(lab):
+    spec = seams.get_lab(lab)
+    report = labs.check(lab, ROOT / spec.skeleton, world_sizes=(2,), quiet=True)
+    assert report.status == "not started", str(report)
+    assert report.where.startswith(spec.skeleton + ":"), report.where
+    assert f"python -m minifsdp.labs {lab} --start" in str(report)
+
+
+@pytest.mark.parametrize("lab,bug,want", planted())
+def test_planted_bug_is_caught_where_it_shows(lab, bug, want):
+    path = BUG_DIR / f"lab{lab}.py"
+    doc = inspect.getdoc(getattr(_bug_module(path), bug))
+    assert doc, f"{bug}: say which learner's mistake it is, and which Note it breaks"
+    report = labs.check(lab, f"{path}:{bug}", world_sizes=want["world_sizes"], quiet=True)
+    text = str(report)
+    assert report.status == want["status"], text
+    assert text.startswith(f"✗ lab {lab} · "), text
+    d = report.divergence
+    for key in ("case", "name", "step", "phase", "rank"):
+        if key in want:
+            assert getattr(d, key) == want[key], f"{key}: {getattr(d, key)!r}\n{text}"
+    if "hint" in want:
+        assert want["hint"] in text, text
+    if "where" in want:
+        assert report.where and report.where.endswith(want["where"]), text
+
+
+def _bug_module(path: Path):
+    spec = importlib.util.spec_from_file_location(f"bugs_{path.stem}", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+# ---- the harness itself, without launching jobs -------------------------------------------------
+
+
+def test_a_missing_function_or_a_syntax_error_is_named_before_any_launch(tmp_path):
+    bad = tmp_path / "lab00_ring.py"
+    bad.write_text("def ring_reduce_scatter(output, input, op=None, group=None):\n    pass\n")
+    report = labs.check("00", bad, quiet=True)
+    assert report.status == "bad file"
+    assert "defines no function ring_all_gather() (seam 'ring.all_gather')" in str(report)
+    bad.write_text("def ring_reduce_scatter(output, input op):\n")
+    report = labs.check("00", bad, quiet=True)
+    assert report.status == "bad file" and "lab00_ring.py:1: SyntaxError" in str(report)
+
+
+def test_a_changed_signature_is_named(tmp_path):
+    src = (ROOT / "labs/lab00_ring.py").read_text().replace(
+        "def ring_all_gather(output, input, group=None)", "def ring_all_gather(out, inp)")
+    (tmp_path / "mine.py").write_text(src)
+    report = labs.check("00", tmp_path / "mine.py", quiet=True)
+    assert report.status == "bad file"
+    assert "ring_all_gather(out, inp) must take (output, input, group)" in str(report)
+
+
+def test_start_copies_the_skeleton_and_never_overwrites(tmp_path, monkeypatch, capsys):
+    mine = tmp_path / "mine" / "lab00_ring.py"
+    monkeypatch.setattr(labs, "your_file", lambda lab_id: mine)
+    assert labs.start("00") == mine
+    assert mine.read_text() == (ROOT / "labs/lab00_ring.py").read_text()
+    mine.write_text("# my work")
+    labs.start("00")
+    assert mine.read_text() == "# my work"
+    assert "already exists" in capsys.readouterr().out
+
+
+def test_your_copies_are_ignored_by_git():
+    ignored = (ROOT / ".gitignore").read_text().splitlines()
+    assert "labs/mine/" in ignored
+
+
+def test_skeletons_hold_no_solution():
+    """A skeleton's seam functions end in the NotImplementedError: no loop is written for the
+    reader (a given line may stay; the lesson may not)."""
+    for lab in seams.LAB_IDS:
+        spec = seams.get_lab(lab)
+        tree = ast.parse((ROOT / spec.skeleton).read_text())
+        fns = {n.name: n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)}
+        for s in spec.seams:
+            last = fns[s.fn_name].body[-1]
+            assert isinstance(last, ast.Raise), f"lab {lab}: {s.fn_name} must end in the raise"
