@@ -5,16 +5,15 @@ The correct solutions below are written from the formulas in the Notes (and, for
 state, by measuring a real optimizer), never by calling the checkers' own references.
 """
 
+import importlib
 import inspect
 import math
 import re
+import types
 
 import pytest
 import torch
 import torch.nn as nn
-
-import importlib
-import types
 
 # One module per chapter (minifsdp/labs/chNN.py); seen here as one namespace of checkers.
 CHAPTERS = [importlib.import_module(f"minifsdp.labs.ch{c:02d}") for c in range(10)]

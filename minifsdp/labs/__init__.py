@@ -167,7 +167,8 @@ def _hang(lab: seams.Lab, head: str, n: int, logs: dict[int, str], file_name: st
 
 
 def _is_timeout(text: str) -> bool:
-    return bool(re.search(r"[Tt]imed out|Timeout \(|Connection closed by peer|Connection reset",
+    return bool(re.search(r"[Tt]imed out|Timeout \(|Application timeout|Connection closed by peer"
+                          r"|Connection reset",
                           text))
 
 
