@@ -59,6 +59,7 @@ same training -- same weights, same optimizer state, same samples per epoch -- n
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import random
@@ -74,7 +75,9 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
+from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
+from torch.distributed.checkpoint.planner_helpers import _create_chunk_list
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_state_dict,
@@ -234,7 +237,8 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module,
     ckpt, manifest = _on_rank0(check)
     state = _state_dict(model, optimizer)
     try:
-        dcp.load(state, checkpoint_id=ckpt)  # a read failing on one rank raises on all
+        # a read failing on one rank raises on all
+        dcp.load(state, checkpoint_id=ckpt, planner=ReshardingLoadPlanner())
     except (Exception, CheckpointException) as e:  # the latter is a BaseException
         raise CheckpointError(f"{ckpt}: DCP could not load it into this "
                               f"{type(model).__name__}: {_reason(e)}") from e
@@ -249,6 +253,65 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module,
         set_rng_state(torch.load(ckpt / f"rank{_rank()}_rng.pt", weights_only=True))
     return {"step": manifest["step"], "extra": manifest["extra"], "path": ckpt,
             "world_size": manifest["world_size"], "rng_restored": same_world}
+
+
+def rows_to_read(d0: int, world_size: int, rank: int,
+                 saved: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
+    """Which rows ``rank`` of ``world_size`` loads from which saved chunk, for a tensor of
+    ``d0`` rows sharded on dim 0 (Note [resharding]). ``saved``: each saved chunk's global rows
+    ``(start, stop)``, in ``.metadata`` order. Returns ``[(chunk, start, stop), ...]`` in row
+    order: the global rows ``[start, stop)`` of saved chunk ``chunk`` that fall in this rank's
+    ``chunk_dim0`` rows (``torch.chunk``: ``ceil(d0 / N)`` each, the last ones shorter or empty).
+
+    Example: ``rows_to_read(10, 3, 1, [(0, 3), (3, 6), (6, 9), (9, 10)])`` ->
+    ``[(1, 4, 6), (2, 6, 8)]`` (Note [resharding]'s example).
+    """
+    per = -(-d0 // world_size)
+    lo, hi = min(rank * per, d0), min((rank + 1) * per, d0)
+    reads = []
+    for i, (a, b) in sorted(enumerate(saved), key=lambda x: x[1]):
+        if min(hi, b) > max(lo, a):
+            reads.append((i, max(lo, a), min(hi, b)))
+    return reads
+
+
+class ReshardingLoadPlanner(dcp.DefaultLoadPlanner):
+    """DCP's default load planner, except that the reads of a tensor sharded on dim 0 (FSDP2's
+    ``Shard(0)`` DTensors, their Adam state) come from ``rows_to_read`` (Note [resharding]);
+    the same reads DCP's own sweep makes, so loads are unchanged."""
+
+    def create_local_plan(self):
+        plan = super().create_local_plan()
+        default: dict[str, list[ReadItem]] = {}
+        for item in plan.items:
+            default.setdefault(item.dest_index.fqn, []).append(item)
+        items = []
+        for fqn, obj in self.state_dict.items():
+            reads = self._row_reads(fqn, obj)
+            items += default.get(fqn, []) if reads is None else reads
+        return dataclasses.replace(plan, items=items)
+
+    def _row_reads(self, fqn: str, obj: Any) -> list[ReadItem] | None:
+        from torch.distributed.tensor import DTensor, Shard
+
+        md = self.metadata.state_dict_metadata.get(fqn)
+        if not (isinstance(obj, DTensor) and obj.device_mesh.ndim == 1 and obj.dim() > 0
+                and obj.placements == (Shard(0),) and isinstance(md, TensorStorageMetadata)
+                and obj.device_mesh.get_coordinate() is not None
+                and all(list(c.sizes[1:]) == list(md.size[1:]) for c in md.chunks)):
+            return None
+        saved = [(c.offsets[0], c.offsets[0] + c.sizes[0]) for c in md.chunks]
+        n, rank = obj.device_mesh.size(), obj.device_mesh.get_local_rank()
+        [local] = _create_chunk_list(obj)  # this rank's rows, as DTensor placed them
+        lo, rest = local.offsets[0], [0] * (obj.dim() - 1)
+        dest = MetadataIndex(fqn, local.offsets, 0)
+        # seam "checkpoint.rows_to_read" (lab 08)
+        return [ReadItem(type=LoadItemType.TENSOR, dest_index=dest,
+                         dest_offsets=torch.Size([a - lo, *rest]),
+                         storage_index=MetadataIndex(fqn, md.chunks[i].offsets, i),
+                         storage_offsets=torch.Size([a - saved[i][0], *rest]),
+                         lengths=torch.Size([b - a, *md.size[1:]]))
+                for i, a, b in rows_to_read(md.size[0], n, rank, saved)]
 
 
 def export_full_state_dict(checkpoint_path: str | os.PathLike,

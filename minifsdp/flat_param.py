@@ -140,6 +140,19 @@ def flat_layout(numels: list[int], world_size: int, align: int = 1) -> tuple[lis
     return offsets, -(-total // world_size) * world_size
 
 
+def rank_shard(full: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
+    """Rank ``rank``'s shard of the padded flat tensor ``full`` (``(padded_numel,)``, a multiple
+    of ``world_size``): the view ``full[rank * s:(rank + 1) * s]``, ``s = padded_numel / N``;
+    the padding, at the end of ``full``, falls in the last rank's shard (Note [flat layout]).
+
+    Example:
+        >>> rank_shard(torch.arange(6.0), rank=1, world_size=3).tolist()
+        [2.0, 3.0]
+    """
+    s = full.numel() // world_size
+    return full[rank * s:(rank + 1) * s]
+
+
 Named = tuple[str, nn.Module, str, nn.Parameter]  # (fqn, module, attribute name, parameter)
 
 
@@ -226,7 +239,8 @@ class FlatParamHandle:
             for info, p in zip(self.infos, unique):
                 full[info.offset:info.offset + info.numel].copy_(p.reshape(-1))
                 p._minifsdp_flattened = label or "?"  # Note [tied parameters across units]
-        shard = full[rank * self.shard_numel:(rank + 1) * self.shard_numel] if sharded else full
+        # seam "flat_param.shard" (lab 04), like "flat_param.layout" (flat_layout above)
+        shard = rank_shard(full, rank, world_size) if sharded else full
         shard = shard.to("cpu", copy=True) if offload else shard.clone() if sharded else shard
         self.flat_param = FlatParameter(shard)
         fp = self.flat_param
@@ -281,7 +295,7 @@ class FlatParamHandle:
                 comm.all_gather_into_tensor(self._buffer, shard, self.process_group, tag=tag_)
         self.is_unsharded = True
 
-    def reshard(self) -> None:
+    def reshard(self) -> None:  # seam "flat_param.reshard" (lab 04)
         """Free the unsharded storage (Note [freeing storage]); views keep their shapes. A no-op
         when there is nothing to free (NO_SHARD without offload) or it is already free."""
         if self._owns_buffer and self.is_unsharded:
@@ -298,7 +312,7 @@ class FlatParamHandle:
 
     # ---- views ------------------------------------------------------------------------------
 
-    def unflatten(self, flat: torch.Tensor) -> list[torch.Tensor]:
+    def unflatten(self, flat: torch.Tensor) -> list[torch.Tensor]:  # seam "flat_param.views"
         """Views of ``flat`` (shape ``(padded_numel,)``) with the original shapes, one per
         ``infos`` entry: for an unsharded tensor, the parameters; for its gradient, theirs.
 

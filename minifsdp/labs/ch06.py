@@ -8,6 +8,9 @@ accepts a correct solution and rejects a wrong one.
 
 from __future__ import annotations
 
+import torch
+
+from minifsdp.labs.seams import Lab, Seam
 from minifsdp.notebook import check
 
 
@@ -84,3 +87,218 @@ def check_exposed_ms(fn) -> bool:
              for p in (False, True)]
     close = lambda a, b: abs(a - b) <= 1e-9 * max(1.0, b)
     return check("exposed all-gather time", cases, fn, close=close)
+
+
+# ---- lab 06: the prefetch schedule ------------------------------------------------------------
+
+FWD, BWD = "prefetch.forward", "prefetch.backward"
+_EVENTS: list[list[str] | None] = [None]  # torch's events go here while a run records
+
+
+def _patch_torch() -> None:
+    """Record torch's all-gather issues and reduce-scatters as our comm log records ours (torch's
+    own test_fully_shard_training.py patches the same methods). Idempotent."""
+    import torch.distributed.fsdp._fully_shard._fsdp_param_group as pg
+
+    if getattr(pg, "_minifsdp_lab06", False):
+        return
+    pg._minifsdp_lab06 = True
+    unshard, post_backward, reduce = (pg.FSDPParamGroup.unshard, pg.FSDPParamGroup.post_backward,
+                                      pg.foreach_reduce)
+    reducing: list[str] = []
+
+    def _unshard(self, async_op=False):
+        issues = self._all_gather_result is None and not self.is_unsharded
+        out = unshard(self, async_op)
+        if issues and self._all_gather_result is not None and _EVENTS[0] is not None:
+            _EVENTS[0].append(f"AG {self._module_fqn or 'root'}")
+        return out
+
+    def _post_backward(self, *args):
+        reducing.append(self._module_fqn or "root")
+        try:
+            return post_backward(self, *args)
+        finally:
+            reducing.pop()
+
+    def _reduce(*args, **kwargs):
+        if _EVENTS[0] is not None:
+            _EVENTS[0].append(f"RS {reducing[-1]}")
+        return reduce(*args, **kwargs)
+
+    pg.FSDPParamGroup.unshard, pg.FSDPParamGroup.post_backward = _unshard, _post_backward
+    pg.foreach_reduce = _reduce
+
+
+class _Stack(torch.nn.Module):
+    """Four ``Linear(8, 8) + Tanh`` units under a root with no parameters of its own: the first
+    unit's predecessor in post-forward order is nothing, not the root."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(
+            torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh()) for _ in range(4))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def _train(impl: str, model_name: str, config: str, info, steps: int = 3) -> list[dict]:
+    """Train ``steps`` steps; per step the loss and the collectives issued in forward (with
+    ``F g`` where g's forward starts, after its pre-forward hook) and in backward; the last
+    entry holds the final parameters. ``impl``: "yours" (the installed seams), "reference"
+    (the package's functions behind them), or "torch" (torch's fully_shard)."""
+    import torch.nn.functional as F
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+    from torch.distributed.tensor import DTensor
+
+    from minifsdp import comm, fsdp2
+    from minifsdp.fsdp2 import prefetch
+    from minifsdp.labs import seams
+    from minifsdp.models import GPT, GPTConfig
+
+    n, rank = info.world_size, info.rank
+    mesh = init_device_mesh("cpu", (n,))
+    torch.manual_seed(0)
+    if model_name == "gpt":  # d_model 32 over 3 ranks: uneven rows
+        model = GPT(GPTConfig(vocab_size=64, seq_len=16, n_layer=3, n_head=4, d_model=32))
+    else:
+        model = _Stack()
+    shard = torch_fully_shard if impl == "torch" else fsdp2.fully_shard
+    for block in model.blocks:
+        shard(block, mesh=mesh)
+    shard(model, mesh=mesh)
+    units = list(model.blocks)
+    if config == "explicit":  # one unit ahead, on every rank (Note [same order on every rank])
+        for module, nxt in zip([model, *units], units):
+            module.set_modules_to_forward_prefetch([nxt])
+        for module, prev in zip([model, *units[::-1]], units[::-1]):
+            module.set_modules_to_backward_prefetch([prev])
+    elif impl != "torch":
+        model.set_implicit_prefetch(forward=config == "implicit forward",
+                                    backward=config != "none")
+    marks: list[tuple[int, str]] = []
+    logs: list[comm.CommLog] = []
+
+    def mark(name):
+        if _EVENTS[0] is not None:
+            _EVENTS[0].append(f"F {name}")
+        elif logs:
+            marks.append((len(logs[0].comms()), f"F {name}"))
+
+    for name, m in [("root", model), *((f"blocks.{i}", b) for i, b in enumerate(units))]:
+        m.register_forward_pre_hook(lambda *_, name=name: mark(name))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    swap = impl == "reference"
+    saved = (prefetch.after_pre_forward, prefetch.after_pre_backward)
+    if swap:
+        prefetch.after_pre_forward = seams.reference(FWD)
+        prefetch.after_pre_backward = seams.reference(BWD)
+    out = []
+    try:
+        for step in range(steps):
+            g = torch.Generator().manual_seed(step)
+            if model_name == "gpt":
+                x, y = (torch.randint(0, 64, (n * 4, 16), generator=g).chunk(n)[rank]
+                        for _ in range(2))
+            else:
+                x = torch.randn(n * 4, 8, generator=g).chunk(n)[rank]
+            events = {}
+            for phase in ("forward", "backward"):
+                marks.clear()
+                _EVENTS[0] = [] if impl == "torch" else None
+                with comm.logging_comm() as log:
+                    logs[:] = [log]
+                    if phase == "forward":
+                        out_ = model(x)
+                        loss = (F.cross_entropy(out_.flatten(0, 1), y.flatten())
+                                if model_name == "gpt" else out_.square().mean())
+                    else:
+                        loss.backward()
+                    logs.clear()
+                events[phase] = _EVENTS[0] if impl == "torch" else _ours(log, marks)
+                _EVENTS[0] = None
+            opt.step()
+            opt.zero_grad()
+            out.append(dict(loss=loss.detach(), **events))
+    finally:
+        _EVENTS[0] = None
+        if swap:
+            prefetch.after_pre_forward, prefetch.after_pre_backward = saved
+    out.append({k: v.full_tensor() if isinstance(v, DTensor) else v
+                for k, v in model.state_dict().items()})
+    return out
+
+
+def _ours(log, marks: list[tuple[int, str]]) -> list[str]:
+    """Our comm log's all-gathers (at issue) and reduce-scatters, with the forward marks."""
+    out, m = [], 0
+    for j, r in enumerate(log.comms()):
+        while m < len(marks) and marks[m][0] <= j:
+            out.append(marks[m][1])
+            m += 1
+        out.append(f"{'AG' if r.op == 'all_gather' else 'RS'} {r.tag.split(' ', 2)[2]}")
+    return out + [s for _, s in marks[m:]]
+
+
+def run_lab(t, info) -> None:
+    """Lab 06's cases, on every rank: a 3-block GPT (uneven rows at N = 3) three steps per
+    prefetch configuration, against torch's fully_shard or the package's reference; each step's
+    collectives in forward and backward, its loss, and the final parameters."""
+    _patch_torch()
+    cases = [("GPT, torch's default: implicit backward prefetch", "gpt", "default", "torch"),
+             ("GPT, explicit lists one block ahead (forward and backward)", "gpt", "explicit",
+              "torch"),
+             ("GPT, implicit forward prefetch (minifsdp only)", "gpt", "implicit forward",
+              "reference"),
+             ("GPT, prefetching switched off", "gpt", "none", "reference"),
+             ("4 units under a root with no parameters, default prefetch", "stack", "default",
+              "torch")]
+    for title, model_name, config, oracle in cases:
+        with t.case(f"{title}, vs {'torch' if oracle == 'torch' else 'the reference'}",
+                    (FWD, BWD)):
+            yours = _train("yours", model_name, config, info)
+            want = _train(oracle, model_name, config, info)
+            for step, (y, w) in enumerate(zip(yours[:-1], want[:-1])):
+                for phase in ("forward", "backward"):
+                    t.expect(f"collectives in {phase}", y[phase], w[phase], step=step,
+                             phase=phase)
+                t.expect("loss", y["loss"], w["loss"], step=step)
+            for k, v in want[-1].items():
+                t.expect(f"{k} after the last step", yours[-1][k], v)
+
+
+def hint(name: str, got, expected, n: int) -> str | None:
+    if not name.startswith("collectives") or not isinstance(got, list):
+        return None
+    ag = lambda ev: [e for e in ev if e.startswith("AG")]
+    if len(ag(got)) > len(ag(expected)):
+        return ("yours issued more all-gathers than the reference: a prefetch of a group that "
+                "does not run next, issued, waited for and thrown away (Note [mistargeted "
+                "prefetches]); in backward the next group is the one *before* this one in "
+                "post-forward order (Note [which group is next])")
+    follows = "F" if name.endswith("forward") else "RS"
+    if ag(got) and all(i + 1 < len(got) and got[i + 1] == f"{follows} {e[3:]}"
+                       for i, e in enumerate(got) if e.startswith("AG") and e != "AG root"):
+        return ("yours never prefetched here: every all-gather was issued by its own group's "
+                "hook, just in time. After a group's own all-gather, issue the next group's "
+                "(Note [which group is next]); an explicit list replaces the guess")
+    return ("the same collectives in another order: the prefetch targets another group than "
+            "the reference's (Note [which group is next])")
+
+
+LAB = Lab(
+    id="06",
+    title="the prefetch schedule",
+    skeleton="labs/lab06_prefetch.py",
+    seams=(Seam(FWD, "minifsdp.fsdp2.prefetch", "after_pre_forward"),
+           Seam(BWD, "minifsdp.fsdp2.prefetch", "after_pre_backward")),
+    notes=("which group is next", "issue and wait", "same order on every rank",
+           "mistargeted prefetches"),
+    run=run_lab,
+    hint=hint,
+    oracle="torch's fully_shard (and the package's reference for minifsdp-only switches)",
+)

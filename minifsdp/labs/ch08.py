@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 
 from minifsdp.labs.ch05 import FSDP2_SHAPES, dim0_rows
+from minifsdp.labs.seams import Lab, Seam
 from minifsdp.notebook import check
 
 
@@ -81,3 +82,151 @@ def check_after_saves(fn) -> bool:
             ["crash 3"], ["save 2", "save 4", "crash 6", "crash 8"], ["save 5", "save 10"]]
     cases = [((ev, k), after_saves(ev, k)) for ev in runs for k in (1, 2, 3)]
     return check("checkpoint directory after saves", cases, fn)
+
+
+# ---- lab 08: resharding on load: which rows of which saved chunk -------------------------------
+
+ROWS = "checkpoint.rows_to_read"
+LAB_SHAPES = {"a": (10, 3), "b": (7, 2), "c": (2, 3), "d": (12,)}  # uneven, rows < N, 1-D
+
+
+def _lab_tensor(shape, seed: int):
+    import torch
+
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed))
+
+
+def _my_rows(d0: int, n: int, rank: int) -> tuple[int, int]:
+    per = -(-d0 // n)  # torch.chunk, DTensor's Shard(0)
+    return min(rank * per, d0), min((rank + 1) * per, d0)
+
+
+def _reshard_cases(t, root, save_mesh, load_mesh, n: int) -> None:
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from minifsdp import checkpoint
+    from minifsdp.labs import seams
+
+    ns, nl = save_mesh.size(), load_mesh.size()
+    path = root / f"saved_at_{ns}"
+    full = {k: _lab_tensor(s, i) for i, (k, s) in enumerate(LAB_SHAPES.items())}
+    if save_mesh.get_coordinate() is not None:  # the saving ranks: the package's DCP format
+        dcp.save({k: distribute_tensor(v, save_mesh, [Shard(0)]) for k, v in full.items()},
+                 checkpoint_id=path, process_group=save_mesh.get_group())
+    dist.barrier()
+    loading = load_mesh.get_coordinate() is not None
+    used = (ROWS,) if loading else ()
+    meta = dcp.FileSystemReader(path).read_metadata()
+    ok = True
+    with t.case(f"saved at N = {ns}, loaded at N = {nl}: the reads", used):
+        if loading:
+            me = load_mesh.get_local_rank()
+            for k, v in full.items():
+                saved = [(c.offsets[0], c.offsets[0] + c.sizes[0])
+                         for c in meta.state_dict_metadata[k].chunks]
+                got = checkpoint.rows_to_read(v.shape[0], nl, me, saved)
+                want = seams.reference(ROWS)(v.shape[0], nl, me, saved)
+                ok &= t.expect(f"{k} {tuple(v.shape)}, saved chunks {saved}: reads",
+                               list(got), want)
+    # Reads that do not fit this rank's rows would fail inside DCP: every rank agrees first
+    # and skips the load in lockstep, with the divergence above.
+    flag = torch.tensor([float(ok)])
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    if flag.item():
+        with t.case(f"saved at N = {ns}, loaded at N = {nl}: dcp.load with the package's "
+                    "planner", used):
+            if loading:
+                me = load_mesh.get_local_rank()
+                state = {k: distribute_tensor(torch.full(v.shape, float("nan")), load_mesh,
+                                              [Shard(0)]) for k, v in full.items()}
+                dcp.load(state, checkpoint_id=path, planner=checkpoint.ReshardingLoadPlanner(),
+                         process_group=load_mesh.get_group())
+                for k, v in full.items():
+                    lo, hi = _my_rows(v.shape[0], nl, me)
+                    t.expect(f"{k} {tuple(v.shape)}: loaded rows {lo}-{hi}",
+                             state[k].to_local(), v[lo:hi])
+    dist.barrier()
+
+
+def _train_step(model, opt, n: int, r: int, step: int):
+    import torch
+
+    g = torch.Generator().manual_seed(100 + step)
+    x, y = torch.randn(4 * n, 3, generator=g).chunk(n)[r], torch.randn(4 * n, 5, generator=g)
+    loss = torch.nn.functional.mse_loss(model(x), y.chunk(n)[r])
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss.detach()
+
+
+def run_lab(t, info) -> None:
+    """Lab 08's cases, on every rank: DTensors saved at N - 1 ranks (a sub-mesh) and loaded at
+    N, saved at N and loaded at N - 1, against the full tensors' rows; then a real
+    ``save_checkpoint`` / ``load_checkpoint`` of a ``fully_shard`` model and one AdamW step."""
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from minifsdp import checkpoint
+
+    n, r = info.world_size, info.rank
+    box = [tempfile.mkdtemp(prefix="minifsdp_lab08_") if r == 0 else None]
+    dist.broadcast_object_list(box)
+    root = Path(box[0])
+    full_mesh = init_device_mesh("cpu", (n,))
+    small = DeviceMesh("cpu", list(range(n - 1)))
+    _reshard_cases(t, root, small, full_mesh, n)
+    _reshard_cases(t, root / "back", full_mesh, small, n)
+
+    def build():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.Tanh(), torch.nn.Linear(2, 5))
+        fully_shard(model, mesh=full_mesh)
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+    with t.case("load_checkpoint into a fully_shard model (a (2, 3) weight: rows < N at "
+                "N = 3), then one AdamW step", (ROWS,)):
+        model, opt = build()
+        _train_step(model, opt, n, r, 0)
+        checkpoint.save_checkpoint(root / "ck", model, opt, step=1)
+        model2, opt2 = build()
+        checkpoint.load_checkpoint(root / "ck", model2, opt2)
+        for (name, p), q in zip(model.named_parameters(), model2.parameters()):
+            t.expect(f"{name}: loaded rows", q.to_local().detach(), p.to_local().detach())
+        t.expect("loss of the next step", _train_step(model2, opt2, n, r, 1),
+                 _train_step(model, opt, n, r, 1), step=1)
+        for (name, p), q in zip(model.named_parameters(), model2.parameters()):
+            t.expect(f"{name} after the step", q.to_local().detach(), p.to_local().detach(),
+                     step=1, phase="optimizer")
+    dist.barrier()
+    if r == 0:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def hint(name: str, got, expected, n: int) -> str | None:
+    if name.endswith("reads"):
+        return ("this rank's rows are torch.chunk's: ceil(d0 / N) each, the last ranks fewer or "
+                "none; read the overlap [max(lo, a), min(hi, b)) of every saved chunk (a, b) "
+                "that overlaps them, and nothing else (Note [resharding])")
+    return None
+
+
+LAB = Lab(
+    id="08",
+    title="resharding a checkpoint on load",
+    skeleton="labs/lab08_reshard.py",
+    seams=(Seam(ROWS, "minifsdp.checkpoint", "rows_to_read"),),
+    notes=("resharding", "what DCP stores"),
+    run=run_lab,
+    hint=hint,
+    oracle="the full tensors' rows (DCP, saved at N ± 1) and the uninterrupted run",
+)

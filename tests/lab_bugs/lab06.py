@@ -1,0 +1,110 @@
+"""Lab 06's planted bugs: prefetch schedules a learner plausibly gets wrong (Note [which group
+is next], Note [same order on every rank]).
+
+Each function replaces one seam (``@replaces``); tests/test_labs.py checks that the checker
+rejects it and points where the bug shows first.
+"""
+
+import torch.distributed as dist
+
+from minifsdp.fsdp2.prefetch import issue
+from minifsdp.labs.seams import replaces
+
+
+@replaces("prefetch.backward")
+def prefetches_its_own_group(state):
+    """Issues ``post_forward_order[i]``, the group whose backward runs now, instead of the one
+    before it: a no-op (its all-gather is done), so nothing is ever prefetched in backward."""
+    indices = state.post_forward_indices
+    i = indices.pop() if indices else None
+    if state.backward_prefetch:
+        issue(s.group for s in state.backward_prefetch)
+    elif state.implicit_backward_prefetch and i is not None:
+        issue([state.ctx.post_forward_order[i]])
+
+
+@replaces("prefetch.backward")
+def forward_order_in_backward(state):
+    """Prefetches the group that comes *after* this one in post-forward order, as forward
+    would: in backward that group has already run, so its all-gather is stale and thrown away
+    (Note [mistargeted prefetches]), and the group that does run next waits for its own."""
+    indices = state.post_forward_indices
+    i = indices.pop() if indices else None
+    if state.backward_prefetch:
+        issue(s.group for s in state.backward_prefetch)
+    elif state.implicit_backward_prefetch and i is not None:
+        issue(state.ctx.post_forward_order[i + 1:i + 2])
+
+
+@replaces("prefetch.backward")
+def wraps_around_at_the_first_group(state):
+    """Tests ``i is not None`` where the reference tests ``i`` (i > 0): the first group's
+    backward, which comes last, issues ``order[-1]``. With a root holding parameters that is
+    the root (unsharded: a no-op, the bug hides); under a parameter-less root it is the last
+    unit, all-gathered for nothing (Note [which group is next])."""
+    indices = state.post_forward_indices
+    i = indices.pop() if indices else None
+    if state.backward_prefetch:
+        issue(s.group for s in state.backward_prefetch)
+    elif state.implicit_backward_prefetch and i is not None:
+        issue([state.ctx.post_forward_order[i - 1]])
+
+
+@replaces("prefetch.backward")
+def never_prefetches(state):
+    """Keeps the bookkeeping, forgets the prefetch: each all-gather waits until its own group's
+    hook, on the critical path (the ladder at the top of prefetch.py)."""
+    indices = state.post_forward_indices
+    if indices:
+        indices.pop()
+
+
+@replaces("prefetch.forward")
+def prefetches_past_the_last_group(state):
+    """Indexes ``last_forward_order[k]`` without asking whether the last forward had a k-th
+    group: the last group's pre-forward reads one past the end (Note [which group is next])."""
+    ctx = state.ctx
+    if state.group is not None:
+        k, last = len(ctx.forward_order), ctx.last_forward_order
+        ctx.on_track = ctx.on_track and k < len(last) and last[k] is state.group
+        ctx.forward_order.append(state.group)
+    if state.forward_prefetch:
+        issue(s.group for s in state.forward_prefetch)
+    elif state.implicit_forward_prefetch and ctx.on_track:
+        issue([ctx.last_forward_order[len(ctx.forward_order)]])
+
+
+@replaces("prefetch.backward")
+def only_rank_0_prefetches(state):
+    """Lets one rank "lead" the prefetching: rank 0 issues the next all-gather, the others wait
+    for their own group's hook. Rank 0's all-gather meets the others' reduce-scatter (Note
+    [same order on every rank]): a hang, or gloo's error, within seconds."""
+    indices = state.post_forward_indices
+    i = indices.pop() if indices else None
+    if state.backward_prefetch:
+        issue(s.group for s in state.backward_prefetch)
+    elif state.implicit_backward_prefetch and i and dist.get_rank() == 0:
+        issue([state.ctx.post_forward_order[i - 1]])
+
+
+_GPT = "GPT, torch's default: implicit backward prefetch, vs torch"
+# What the checker must say about each bug: the report's status, the jobs to run (the smallest
+# that shows the bug), and where the first divergence is (case, checked value) or the line.
+EXPECTED = {
+    "prefetches_its_own_group": dict(status="diverged", world_sizes=(2,), case=_GPT, step=0,
+                                     phase="backward", name="collectives in backward",
+                                     hint="never prefetched"),
+    "forward_order_in_backward": dict(status="diverged", world_sizes=(2,), case=_GPT, step=0,
+                                      phase="backward", name="collectives in backward",
+                                      hint="more all-gathers than the reference"),
+    "wraps_around_at_the_first_group": dict(
+        status="diverged", world_sizes=(2,), step=0, phase="backward",
+        case="4 units under a root with no parameters, default prefetch, vs torch",
+        name="collectives in backward", hint="Note [mistargeted prefetches]"),
+    "never_prefetches": dict(status="diverged", world_sizes=(2,), case=_GPT, step=0,
+                             phase="backward", name="collectives in backward",
+                             hint="never prefetched"),
+    "prefetches_past_the_last_group": dict(status="crash", world_sizes=(2,),
+                                           where="lab06.py:74"),
+    "only_rank_0_prefetches": dict(status="hang", world_sizes=(2,)),
+}
