@@ -1,0 +1,108 @@
+"""SimpleFSDP (``minifsdp.simple_fsdp``) and its graph passes (``minifsdp.graph_passes``) under
+torchrun, gloo, N = 2 and 3: one job per N (tests/workers/simple_fsdp_worker.py) runs every
+configuration; the tests read its per-rank JSON.
+
+Parity, measured: eager SimpleFSDP equals torch's and our ``fully_shard`` bit for bit at N = 2
+(fp32 and bf16/fp32 mixed precision) and at N = 3 with mixed precision. At N = 3 in fp32 it
+does not: SimpleFSDP reduce-scatters each parameter alone, ``fully_shard`` one flat buffer per
+block, and gloo's reduce-scatter adds three ranks' values in an order that depends on where
+an element sits in the buffer (at N = 2 a + b = b + a; the bf16 gradients' fp32 sums of three
+are exact). ``test_n3_fp32_gap`` pins that gap. Compiled (the passes' backend) equals eager
+SimpleFSDP bit for bit, with and without passes.
+"""
+
+from pathlib import Path
+
+import pytest
+
+PARALLEL = 2
+JOB_PREFIX = "simple_fsdp_"
+WORKER = str(Path(__file__).parent / "workers" / "simple_fsdp_worker.py")
+BLOCK_PARAMS, GPT_PARAMS = 12, 29  # 2-block GPT, untied: 2 embeddings + 2 x 12 + ln_f (2) + head
+
+
+def job(key: str):
+    """``"n2"`` -> the worker at N = 2."""
+    return WORKER, int(key[1:]), ()
+
+
+def jobs_of(item):
+    return ["n2", "n3"] if "runs" in item.fixturenames else []
+
+
+@pytest.fixture(scope="module")
+def runs(launched):
+    return {n: launched[f"n{n}"].result().ranks for n in (2, 3)}
+
+
+def counts(run, name):
+    """``{graph: (all-gathers, reduce-scatters)}`` of a compiled variant's collective list."""
+    return {g: (sum(op.startswith("all_gather") for op, *_ in c),
+                sum(op.startswith("reduce_scatter") for op, *_ in c))
+            for g, c in run["collectives"][name].items()}
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_eager_parity_with_fully_shard(runs, n):
+    for r, run in enumerate(runs[n]):
+        for kind, res in run["eager"].items():  # each compared with torch's fully_shard
+            if n == 3 and kind in ("simple", "simple_keep"):
+                continue  # test_n3_fp32_gap
+            assert res["losses"] and res["params"], (n, r, kind, res)
+
+
+def test_n3_fp32_gap(runs):
+    for run in runs[3]:
+        for kind in ("simple", "simple_keep"):
+            res = run["eager"][kind]
+            assert not res["params"] and res["param_diff"] < 1e-4, (kind, res)
+        assert run["eager"]["ours"]["params"]  # ours groups as torch does: bitwise
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_compiled_equals_eager(runs, n):
+    for run in runs[n]:
+        for name, res in run["compiled"].items():
+            assert res["losses"] and res["params"], (n, name, res)
+
+
+def test_collectives_eager(runs):
+    """One all-gather per parameter read, one reduce-scatter per gradient; reshard after
+    forward re-gathers each block parameter that backward needs (24: Linear biases are not)."""
+    for run in runs[2]:
+        simple, keep = run["counts"]["simple"], run["counts"]["simple_keep"]
+        assert simple["forward all_gather_into_tensor"] == GPT_PARAMS
+        assert simple["backward reduce_scatter_tensor"] == GPT_PARAMS
+        assert simple["backward all_gather_into_tensor"] == 2 * BLOCK_PARAMS
+        assert "backward all_gather_into_tensor" not in keep
+
+
+def test_passes_change_collectives_as_documented(runs):
+    run = runs[2][0]
+    none = counts(run, "none")
+    assert none["forward"] == (GPT_PARAMS, 0)
+    bw_gathers = none["backward"][0]
+    assert none["backward"][1] == GPT_PARAMS and bw_gathers > 0
+    # bucket: one all-gather per run of one block (fw: root front, 2 blocks, root back;
+    # bw: root back, 2 blocks); reduce-scatters untouched
+    assert counts(run, "bucket") == {"forward": (4, 0), "backward": (3, GPT_PARAMS)}
+    assert counts(run, "both") == counts(run, "bucket")
+    assert counts(run, "prefetch") == none  # moves, never merges
+    p = run["prefetched"]
+    assert not any(p["none"]["forward"]) and not any(p["bucket"]["forward"])
+    for name in ("prefetch", "both"):
+        assert all(p[name]["forward"]) and all(p[name]["backward"]), (name, p[name])
+    assert counts(runs[3][0], "both") == counts(run, "both")
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_memory_at_rest(runs, n):
+    """Sharded parameters, bytes on each rank: the same rows and the same storage in all
+    three; at N = 3 the last rank's storage also holds padding rows in all three
+    (``distribute_tensor`` narrows a padded chunk, as fully_shard does)."""
+    for run in runs[n]:
+        rest = run["at_rest"]
+        for key in ("rows", "storage"):
+            assert rest["simple"][key] == rest["ours"][key] == rest["torch"][key], (key, rest)
+    if n == 3:
+        assert runs[3][2]["at_rest"]["simple"]["storage"] > runs[3][2]["at_rest"]["simple"]["rows"]

@@ -1,0 +1,200 @@
+"""Worker for tests/test_simple_fsdp.py: ``minifsdp.simple_fsdp`` and ``minifsdp.graph_passes``
+next to our and torch's ``fully_shard``. Reports raw numbers; the test asserts on them.
+
+A 2-block GPT (d_model 32, vocab 64: uneven rows at N = 3), AdamW, STEPS steps. Every run
+is compared with torch's ``fully_shard`` (each block, then the root) on the same batches:
+losses and full parameters, bit for bit. Compiled runs (``graph_passes.backend``, each set of
+passes) are compared with eager SimpleFSDP and report their graphs' collectives. With
+``--measure``: step time and peak memory per variant (a bigger GPT; printed, not asserted).
+"""
+
+import argparse
+import contextlib
+import copy
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMP
+from torch.distributed.fsdp import fully_shard as torch_fully_shard
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from minifsdp import fsdp2
+from minifsdp import graph_passes as gp
+from minifsdp.dist import dist_setup, finish
+from minifsdp.memory import MemoryTracker
+from minifsdp.models import GPT, GPTConfig
+from minifsdp.simple_fsdp import data_parallel, param_name
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--measure", action="store_true")
+args = parser.parse_args()
+info = dist_setup()
+rank, N = info.rank, info.world_size
+mesh = init_device_mesh("cpu", (N,))
+STEPS, LOCAL = 3, 2
+CFG = GPTConfig(vocab_size=64, seq_len=16, n_layer=2, n_head=4, d_model=32)
+BF16 = {"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32}
+PASSES = {"none": (), "bucket": (gp.bucket_all_gathers,), "prefetch": (gp.prefetch_all_gathers,),
+          "both": (gp.bucket_all_gathers, gp.prefetch_all_gathers)}
+
+
+def gpt(cfg=CFG) -> GPT:
+    torch.manual_seed(0)
+    return GPT(cfg)
+
+
+def fsdp(model, fully_shard, **kw):
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh, **kw)
+    return fully_shard(model, mesh=mesh, **kw)
+
+
+def build(kind: str, mp: bool = False, cfg=CFG):
+    if kind == "torch":
+        return fsdp(gpt(cfg), torch_fully_shard, **({"mp_policy": TorchMP(**BF16)} if mp else {}))
+    kw = {"mp_policy": fsdp2.MixedPrecisionPolicy(**BF16)} if mp else {}
+    if kind.startswith("ours"):
+        model = fsdp(gpt(cfg), fsdp2.fully_shard, **kw)
+        if kind == "ours_prefetch":
+            blocks = list(model.blocks)
+            for a, b in zip(blocks, blocks[1:]):
+                a.set_modules_to_forward_prefetch([b])
+                b.set_modules_to_backward_prefetch([a])
+        return model
+    return data_parallel(gpt(cfg), mesh, reshard_after_forward=kind != "simple_keep", **kw)
+
+
+def batch(step: int, cfg=CFG, local=LOCAL):
+    g = torch.Generator().manual_seed(step)
+    x = torch.randint(0, cfg.vocab_size, (N * local, cfg.seq_len + 1), generator=g)
+    return x[:, :-1].chunk(N)[rank], x[:, 1:].chunk(N)[rank]
+
+
+class CountCollectives(TorchDispatchMode):
+    """Eager collectives by phase: ``{"forward all_gather_into_tensor": k, ...}``."""
+
+    def __init__(self):
+        super().__init__()
+        self.counts: dict[str, int] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "_c10d_functional" and "wait" not in func.__name__:
+            phase = "backward" if torch._C._current_graph_task_id() != -1 else "forward"
+            key = f"{phase} {func.__name__.split('.')[0]}"
+            self.counts[key] = self.counts.get(key, 0) + 1
+        return func(*args, **(kwargs or {}))
+
+
+def train(model, steps=STEPS, cfg=CFG, local=LOCAL, count=False):
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses, times, counter = [], [], CountCollectives()
+    for step in range(steps):
+        x, y = batch(step, cfg, local)
+        t0 = time.perf_counter()
+        with counter if count and step == 0 else contextlib.nullcontext():
+            loss = F.cross_entropy(model(x).flatten(0, 1).float(), y.flatten())
+            loss.backward()
+        opt.step()
+        opt.zero_grad()
+        times.append(time.perf_counter() - t0)
+        losses.append(loss.detach())
+    return losses, times, counter.counts
+
+
+def full(model) -> dict[str, torch.Tensor]:
+    return {param_name(k): v.full_tensor() for k, v in model.named_parameters()}
+
+
+def at_rest(model) -> dict:
+    """Bytes of the sharded parameters' storages on this rank, and of their unpadded rows."""
+    locals_ = [p.to_local() for p in model.parameters()]
+    return {"storage": sum(t.untyped_storage().nbytes() for t in locals_),
+            "rows": sum(t.numel() * t.element_size() for t in locals_)}
+
+
+def same(a, b) -> dict:
+    return {"losses": all(torch.equal(x, y) for x, y in zip(a[0], b[0])),
+            "params": all(torch.equal(a[1][k], b[1][k]) for k in b[1]),
+            "loss_diff": max(float((x - y).abs()) for x, y in zip(a[0], b[0])),
+            "param_diff": max(float((a[1][k] - b[1][k]).abs().max()) for k in b[1])}
+
+
+def parity() -> dict:
+    out = {"eager": {}, "compiled": {}, "counts": {}, "collectives": {}, "prefetched": {},
+           "at_rest": {}}
+    for mp in (False, True):
+        runs = {}
+        for kind in ("torch", "ours", "simple", "simple_keep"):
+            model = build(kind, mp)
+            if not mp:
+                out["at_rest"][kind] = at_rest(model)
+            losses, _, counts = train(model, count=kind.startswith("simple"))
+            runs[kind] = (losses, full(model))
+            if counts and not mp:
+                out["counts"][kind] = counts
+        for kind in runs:
+            out["eager"][f"{kind}{'_bf16' if mp else ''}"] = same(runs[kind], runs["torch"])
+        if not mp:
+            eager = runs["simple"]
+    # Compiling costs most of this job: "none" and "both" are compiled and trained (at N = 3
+    # only "both"); each single pass is applied to copies of the "none" graphs, for the lists.
+    for name in ("none", "both") if N == 2 else ("both",):
+        model, graphs = build("simple"), []
+        compiled = torch.compile(model, backend=gp.backend(PASSES[name], graphs), fullgraph=True)
+        t0 = time.perf_counter()
+        losses, _, _ = train(compiled)
+        out["compiled"][name] = {**same((losses, full(model)), eager),
+                                 "seconds": time.perf_counter() - t0}
+        out["collectives"][name] = {kind: gp.collectives(g) for kind, g in graphs[:2]}
+        out["prefetched"][name] = {kind: prefetched(g) for kind, g in graphs[:2]}
+        if name == "none":
+            for single in ("bucket", "prefetch"):
+                copies = [(kind, PASSES[single][0](copy.deepcopy(g))) for kind, g in graphs[:2]]
+                out["collectives"][single] = {k: gp.collectives(g) for k, g in copies}
+                out["prefetched"][single] = {k: prefetched(g) for k, g in copies}
+    out["cpu_s"] = time.process_time()
+    return out
+
+
+def prefetched(gm) -> list[bool]:
+    """Blocks in order of their first all-gather (the root's parameters count as one block):
+    per consecutive pair, is every all-gather of the later block issued before the earlier
+    block's first wait?"""
+    order, first_wait, ags = {n: i for i, n in enumerate(gm.graph.nodes)}, {}, {}
+    for n in gm.graph.nodes:
+        if n.target is gp.AG and n.meta.get("param"):
+            key = gp.block_of(n.meta["param"])
+            ags.setdefault(key, []).append(order[n])
+            first_wait[key] = min(first_wait.get(key, 1 << 30), order[gp._wait_of(n)])
+    keys = list(ags)
+    return [max(ags[b]) < first_wait[a] for a, b in zip(keys, keys[1:])]
+
+
+def measure() -> dict:
+    """Per variant: median step time (steps 2..), peak bytes of one tracked step."""
+    cfg, local, res = GPTConfig(vocab_size=256, seq_len=64, n_layer=4, n_head=4, d_model=128), 4, {}
+    for kind in ("simple", "simple_keep", "compiled", "compiled_both", "ours", "ours_prefetch"):
+        model = build(kind.replace("compiled", "simple").removesuffix("_both"), cfg=cfg)
+        run = model
+        if kind.startswith("compiled"):
+            passes = PASSES["both" if "both" in kind else "none"]
+            run = torch.compile(model, backend=gp.backend(passes), fullgraph=True)
+        t0 = time.perf_counter()
+        eager = not kind.startswith("compiled")  # dispatch modes do not run under compile
+        _, times, counts = train(run, steps=6, cfg=cfg, local=local, count=eager)
+        first = time.perf_counter() - t0 - sum(times[1:])
+        x, y = batch(9, cfg, local)
+        peak = None
+        if eager:
+            with MemoryTracker(model) as mt:
+                F.cross_entropy(run(x).flatten(0, 1).float(), y.flatten()).backward()
+            peak = mt.peak
+        res[kind] = {"step_s": statistics.median(times[1:]), "first_step_s": first,
+                     "peak": peak, "at_rest": at_rest(model)["storage"], "eager_counts": counts}
+    return res
+
+
+finish({"measure": measure()} if args.measure else parity())
