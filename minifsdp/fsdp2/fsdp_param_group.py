@@ -204,6 +204,7 @@ class FSDPParamGroup:
             my_slot, gathered = self._post_forward_copy_in()
             group, world = self.post_forward_ranks.group, self.post_forward_ranks.size
         else:
+            # seam "fsdp2.all_gather_copy_in" (lab 07): the mixed-precision cast
             my_slot, gathered = self._all_gather_copy_in()
             group, world = self.process_group, self.world_size
         work = comm.all_gather_into_tensor(gathered, my_slot, group, async_op,
@@ -221,7 +222,7 @@ class FSDPParamGroup:
         work, gathered, world = self._in_flight
         if work is not None:
             work.wait()  # gloo: blocks until done; NCCL: makes the current stream wait
-        self._all_gather_copy_out(gathered, world)
+        self._all_gather_copy_out(gathered, world)  # seam "fsdp2.all_gather_copy_out" (lab 05)
         _free(gathered)
         self._post_forward_data = None
         for p in self.fsdp_params:

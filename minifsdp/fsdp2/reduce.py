@@ -44,7 +44,8 @@ def foreach_reduce(group: FSDPParamGroup, params: list[FSDPParam],
         foreach_reduce(group, group.fsdp_params, grads)
         lin.weight.grad.to_local().shape                    # (4 / N rows, 8), averaged
     """
-    flat = reduce_scatter_copy_in(group, params, grads)
+    # seam "fsdp2.reduce_dtype" (lab 07) and seam "fsdp2.reduce_scatter_copy_in" (lab 05)
+    flat = reduce_scatter_copy_in(group, params, grads, reduce_scatter_dtype(group, grads))
     grads.clear()  # the unsharded gradients die here
     pre, post, op = gradient_divide_factors(group.world_size, flat.dtype,
                                             group.mesh_info.replicate_size)
@@ -72,6 +73,16 @@ def foreach_reduce(group: FSDPParamGroup, params: list[FSDPParam],
         comm.all_reduce(out, op, group.replicate_group,
                         tag=f"fsdp2 grads-allreduce {group.name}")
     divide_if_needed(out, post)
+    to_sharded_grads(group, params, out)  # seam "fsdp2.grads_to_shards" (lab 07)
+
+
+@torch.no_grad()
+def to_sharded_grads(group: FSDPParamGroup, params: list[FSDPParam], out: torch.Tensor) -> None:
+    """The reduced slot ``out`` (1-D, S elements, the reduce dtype) becomes each sharded
+    parameter's ``.grad``: cast to the shards' dtype if it differs (the fp32 master weights'
+    optimizer needs fp32 gradients, Note [mixed precision]), then parameter i's rows -- its
+    ``sharded_numel`` elements at offset ``sum of the earlier padded_shard_numel`` -- as a
+    DTensor view, or added into an existing ``.grad`` (accumulation over backwards)."""
     if out.dtype != group.dtypes.orig:
         low = out
         out = low.to(group.dtypes.orig)  # e.g. a bf16 reduce: fp32 .grad for the optimizer
@@ -88,14 +99,23 @@ def foreach_reduce(group: FSDPParamGroup, params: list[FSDPParam],
 
 
 @torch.no_grad()
-def reduce_scatter_copy_in(group: FSDPParamGroup, params: list[FSDPParam],
-                           grads: list[torch.Tensor]) -> torch.Tensor:
-    """The gradients in rank-major order, ``(N * S,)``: slot r holds chunk r of every
-    gradient, each zero-padded to its padded shard size (S = their sum), in the reduce
-    dtype: ``_chunk_cat`` casts as it copies (Note [mixed precision])."""
+def reduce_scatter_dtype(group: FSDPParamGroup, grads: list[torch.Tensor]) -> torch.dtype:
+    """The dtype the gradients are reduce-scattered in: the group's reduce dtype (the
+    policy's ``reduce_dtype``, else ``param_dtype``: Note [mixed precision]), or the
+    gradients' own. Gradients of two dtypes (fp32 accumulators next to fresh bf16 ones, Note
+    [accumulating in the reduce dtype]) are first cast to it, in place in ``grads``."""
     dtype = group.dtypes.reduce or grads[0].dtype
     if len({g.dtype for g in grads}) > 1:  # fp32 accumulators next to fresh bf16 grads
         grads[:] = [g.to(dtype) for g in grads]  # (torch refuses this case)
+    return dtype
+
+
+@torch.no_grad()
+def reduce_scatter_copy_in(group: FSDPParamGroup, params: list[FSDPParam],
+                           grads: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    """The gradients in rank-major order, ``(N * S,)``: slot r holds chunk r of every
+    gradient, each zero-padded to its padded shard size (S = their sum), in ``dtype`` (the
+    reduce dtype): ``_chunk_cat`` casts as it copies (Note [mixed precision])."""
     slot_numel = sum(p.padded_shard_numel for p in params)
     flat = grads[0].new_empty(group.world_size * slot_numel, dtype=dtype)
     tag(flat, "comm")

@@ -58,3 +58,102 @@ def check_mp_group_wire_bytes(fn, measured: list[tuple] | None = None) -> bool:
              for raf in (True, False)]
     close = lambda a, b: abs(a - b) <= 1e-9 * max(1.0, b)
     return check("mixed-precision group bytes", [*cases, *(measured or [])], fn, close=close)
+
+
+# ---- lab 07: the mixed-precision casts ---------------------------------------------------------
+
+from minifsdp.labs.seams import Lab, Seam  # noqa: E402
+
+COPY_IN, REDUCE_DTYPE, TO_SHARDS = ("fsdp2.all_gather_copy_in", "fsdp2.reduce_dtype",
+                                    "fsdp2.grads_to_shards")
+BF16_FP32 = {"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32}
+BF16 = {"param_dtype": torch.bfloat16}  # reduce_dtype None: reduce in bf16
+
+
+def _check_comm(policy: dict, n: int):
+    """``on_backward`` for ``train_vs_torch``: every collective of our step in the policy's
+    dtypes, its input my padded slot (all-gather) or all N (reduce-scatter) in that dtype."""
+    def check(t, step, log, model) -> None:
+        from minifsdp.fsdp2 import FSDPModule
+
+        slots = {m.fsdp_state.group.name: sum(p.padded_shard_numel
+                                              for p in m.fsdp_state.group.fsdp_params)
+                 for m in model.modules() if isinstance(m, FSDPModule)}
+        reduce = policy.get("reduce_dtype") or policy["param_dtype"]
+        for op, dtype in (("all_gather", policy["param_dtype"]), ("reduce_scatter", reduce)):
+            size = torch.empty(0, dtype=dtype).element_size()
+            per = 1 if op == "all_gather" else n  # input: my slot / all N slots
+            got = [(r.tag, r.dtype, r.bytes) for r in log.comms(op)]
+            want = [(tag, str(dtype).removeprefix("torch."),
+                     per * slots[tag.split(" ", 2)[2]] * size) for tag, _, _ in got]
+            t.expect(f"{op.replace('_', '-')}s of the step (tag, dtype, input bytes)", got,
+                     want, step=step, phase="backward")
+    return check
+
+
+def run_lab(t, info) -> None:
+    """Lab 07's cases, on every rank: one group's copy-in (bytes on the wire, the buffer)
+    against the package's, then three training steps against torch's ``fully_shard`` with
+    ``param_dtype=bf16`` and ``reduce_dtype`` fp32, then bf16."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from minifsdp import comm, fsdp2
+    from minifsdp.labs import seams
+    from minifsdp.labs.ch05 import lab_net, train_vs_torch
+
+    n = info.world_size
+    with t.case("the all-gather copy-in of each group, bf16 params", (COPY_IN,)):
+        m = lab_net()
+        policy = fsdp2.MixedPrecisionPolicy(**BF16_FP32)
+        mesh = init_device_mesh("cpu", (n,))
+        for unit in (m.body, m.narrow, m):
+            fsdp2.fully_shard(unit, mesh=mesh, mp_policy=policy)
+        for name, unit in (("body", m.body), ("narrow", m.narrow), ("root", m)):
+            group = unit.fsdp_state.group
+            bufs = []
+            for copy_in in (seams.reference(COPY_IN), type(group)._all_gather_copy_in):
+                with comm.logging_comm() as log:
+                    slot, gathered = copy_in(group)
+                    comm.all_gather_into_tensor(gathered, slot, group.process_group)
+                bufs.append((int(log.total_bytes("all_gather", wire=True)), gathered))
+            (want_bytes, want), (got_bytes, got) = bufs
+            t.expect(f"{name}: all-gather wire bytes", got_bytes, want_bytes, phase="copy-in")
+            t.expect(f"{name}: all-gathered buffer", got, want, phase="copy-in")
+    # a copy-in of the wrong dtype would crash the copy-out below: stop here, on every rank
+    diverged = torch.tensor([float(t.first is not None)])
+    dist.all_reduce(diverged)
+    if diverged.item():
+        return
+    with t.case("3 Adam steps against torch's fully_shard, param_dtype=bf16, reduce_dtype=fp32",
+                (COPY_IN, REDUCE_DTYPE, TO_SHARDS)):
+        train_vs_torch(t, info, BF16_FP32, _check_comm(BF16_FP32, n))
+    with t.case("3 Adam steps against torch's fully_shard, param_dtype=bf16, reduce in bf16",
+                (COPY_IN, REDUCE_DTYPE, TO_SHARDS)):
+        train_vs_torch(t, info, BF16, _check_comm(BF16, n))
+
+
+def hint(name: str, got, expected, n: int) -> str | None:
+    if name.endswith("wire bytes") and isinstance(got, int) and expected:
+        return (f"yours moved {got / expected:.3g}× the bytes: cast the shards to param_dtype "
+                "in the copy-in, before the all-gather (Note [mixed precision])")
+    if "(tag, dtype, input bytes)" in name:
+        return ("each collective runs in its dtype: the all-gather in param_dtype, the "
+                "reduce-scatter in reduce_dtype, else param_dtype (Note [mixed precision])")
+    return None
+
+
+LAB = Lab(
+    id="07",
+    title="the mixed-precision casts",
+    skeleton="labs/lab07_mixed_precision.py",
+    seams=(Seam(COPY_IN, "minifsdp.fsdp2.fsdp_param_group", "FSDPParamGroup._all_gather_copy_in",
+                "all_gather_copy_in"),
+           Seam(REDUCE_DTYPE, "minifsdp.fsdp2.reduce", "reduce_scatter_dtype",
+                "reduce_scatter_dtype"),
+           Seam(TO_SHARDS, "minifsdp.fsdp2.reduce", "to_sharded_grads", "to_sharded_grads")),
+    notes=("mixed precision", "accumulating in the reduce dtype", "who owns the shard's storage"),
+    run=run_lab,
+    hint=hint,
+    oracle="torch's fully_shard with the same MixedPrecisionPolicy (and the package's copy-in)",
+)
