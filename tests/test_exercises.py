@@ -16,7 +16,7 @@ import torch
 import torch.nn as nn
 
 # One module per chapter (minifsdp/labs/chNN.py); seen here as one namespace of checkers.
-CHAPTERS = [importlib.import_module(f"minifsdp.labs.ch{c:02d}") for c in range(10)]
+CHAPTERS = [importlib.import_module(f"minifsdp.labs.ch{c:02d}") for c in range(11)]
 exercises = types.SimpleNamespace(**{n: f for m in CHAPTERS for n, f in vars(m).items()
                                      if n.startswith("check_")})
 
@@ -803,6 +803,43 @@ SOLUTIONS.update({
     "check_hsdp_wire_bytes": ("HSDP bytes per step", hsdp_wire_bytes,
                               [hsdp_wire_bytes_full_allreduce, hsdp_wire_bytes_no_regather]),
     "check_min_gpus": ("fewest GPUs", min_gpus, [min_gpus_strict, min_gpus_exact_division]),
+})
+# ---- chapter 10 ----------------------------------------------------------------------------
+
+
+def forward_all_gathers(n_blocks, bucketed):
+    """Note [one collective per parameter]: a GPT reads 2 + 12 per block + 3 parameters, each
+    gathered alone; the bucketing pass makes one all-gather per block, plus the root's two runs."""
+    return n_blocks + 2 if bucketed else 5 + 12 * n_blocks
+
+
+def forward_all_gathers_one_root_run(n_blocks, bucketed):
+    return n_blocks + 1 if bucketed else 5 + 12 * n_blocks  # the root's reads are not one run
+
+
+def forward_all_gathers_blocks_only(n_blocks, bucketed):
+    return n_blocks + 2 if bucketed else 12 * n_blocks  # forgets the root's 5 parameters
+
+
+def bucket_numel(shapes, world_size):
+    """Each shard padded to ceil(d0 / N) rows, concatenated, N ranks' buckets gathered."""
+    return world_size * sum(math.ceil(s[0] / world_size) * math.prod(s[1:]) for s in shapes)
+
+
+def bucket_numel_unpadded(shapes, world_size):
+    return sum(math.prod(s) for s in shapes)  # the sum of the full sizes: no padding
+
+
+def bucket_numel_floor(shapes, world_size):
+    return world_size * sum(s[0] // world_size * math.prod(s[1:]) for s in shapes)
+
+
+SOLUTIONS.update({
+    "check_forward_all_gathers": ("forward all-gathers", forward_all_gathers,
+                                  [forward_all_gathers_one_root_run,
+                                   forward_all_gathers_blocks_only]),
+    "check_bucket_numel": ("bucket elements", bucket_numel,
+                           [bucket_numel_unpadded, bucket_numel_floor]),
 })
 WRONG = [(c, w) for c, (_, _, wrongs) in SOLUTIONS.items() for w in wrongs]
 WRONG_IDS = [w.__name__ for _, w in WRONG]

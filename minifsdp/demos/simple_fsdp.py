@@ -1,0 +1,241 @@
+"""Chapter 10's worker: SimpleFSDP (``minifsdp.simple_fsdp``) next to torch's and our
+``fully_shard``, eager and compiled (``minifsdp.graph_passes``). Run under torchrun, e.g.::
+
+    run = torchrun("minifsdp.demos.simple_fsdp", "--compile", nproc=2, chapter="10")
+    run.ranks[0]["parity"]["simple"]          # {"losses": True, "params": True, ...}
+
+A 2-block GPT (d_model 32, vocab 64: uneven rows at N = 3), AdamW, ``--steps`` steps on the
+same batches in every variant. Per rank it reports:
+
+- ``parity``: each eager variant (SimpleFSDP resharding / keeping, ours) against torch's
+  ``fully_shard``, fp32 and bf16/fp32: losses and full parameters bit for bit, largest diffs;
+- ``at_rest``: bytes of the sharded parameters; ``eager_counts``: collectives per phase;
+  ``peak``: MemoryTracker's peak of one eager step; ``hook_order``: our ``fully_shard``'s
+  collectives of one step (from the comm log, by group);
+- with ``--compile``: the forward and backward graphs' collectives before and after the
+  passes, compiled == eager bitwise, compile seconds and step times;
+- with ``--inductor``: the same model under ``backend="inductor"``: compile seconds and
+  bitwise equality with eager, or the exception's type and first line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import os
+import statistics
+import tempfile
+import time
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMP
+from torch.distributed.fsdp import fully_shard as torch_fully_shard
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from minifsdp import comm, fsdp2
+from minifsdp import graph_passes as gp
+from minifsdp.dist import dist_setup, finish
+from minifsdp.memory import MemoryTracker
+from minifsdp.models import GPT, GPTConfig
+from minifsdp.simple_fsdp import data_parallel, param_name
+
+CFG = GPTConfig(vocab_size=64, seq_len=16, n_layer=2, n_head=4, d_model=32)
+BF16 = {"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32}
+LOCAL = 2  # sequences per rank
+
+
+def build(kind: str, mesh, mp: bool = False):
+    """``torch``, ``ours``, ``ours_prefetch``, ``simple`` (reshard) or ``simple_keep``."""
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    if kind.startswith("simple"):
+        kw = {"mp_policy": fsdp2.MixedPrecisionPolicy(**BF16)} if mp else {}
+        return data_parallel(model, mesh, reshard_after_forward=kind == "simple", **kw)
+    shard, kw = (torch_fully_shard, {"mp_policy": TorchMP(**BF16)}) if kind == "torch" else (
+        fsdp2.fully_shard, {"mp_policy": fsdp2.MixedPrecisionPolicy(**BF16)})
+    kw = kw if mp else {}
+    for block in model.blocks:
+        shard(block, mesh=mesh, **kw)
+    shard(model, mesh=mesh, **kw)
+    if kind == "ours_prefetch":
+        blocks = list(model.blocks)
+        for a, b in zip(blocks, blocks[1:]):
+            a.set_modules_to_forward_prefetch([b])
+            b.set_modules_to_backward_prefetch([a])
+    return model
+
+
+def batch(step: int, rank: int, n: int):
+    g = torch.Generator().manual_seed(step)
+    x = torch.randint(0, CFG.vocab_size, (n * LOCAL, CFG.seq_len + 1), generator=g)
+    return x[:, :-1].chunk(n)[rank], x[:, 1:].chunk(n)[rank]
+
+
+class CountCollectives(TorchDispatchMode):
+    """Eager functional collectives by phase: ``{"forward all_gather_into_tensor": k}``."""
+
+    def __init__(self):
+        super().__init__()
+        self.counts: dict[str, int] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "_c10d_functional" and func.__name__.startswith(("all_", "reduce")):
+            phase = "backward" if torch._C._current_graph_task_id() != -1 else "forward"
+            key = f"{phase} {func.__name__.split('.')[0]}"
+            self.counts[key] = self.counts.get(key, 0) + 1
+        return func(*args, **(kwargs or {}))
+
+
+def train(model, rank, n, steps, count=False):
+    """``steps`` AdamW steps: losses, step seconds, collective counts of step 0."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses, times, counter = [], [], CountCollectives()
+    for step in range(steps):
+        x, y = batch(step, rank, n)
+        t0 = time.perf_counter()
+        with counter if count and step == 0 else contextlib.nullcontext():
+            loss = F.cross_entropy(model(x).flatten(0, 1).float(), y.flatten())
+            loss.backward()
+        opt.step()
+        opt.zero_grad()
+        times.append(time.perf_counter() - t0)
+        losses.append(loss.detach())
+    return losses, times, counter.counts
+
+
+def full(model) -> dict[str, torch.Tensor]:
+    return {param_name(k): v.full_tensor() for k, v in model.named_parameters()}
+
+
+def same(a, b) -> dict:
+    """Two runs' ``(losses, full params)``: bitwise equal? and the largest differences."""
+    return {"losses": all(torch.equal(x, y) for x, y in zip(a[0], b[0])),
+            "params": all(torch.equal(a[1][k], b[1][k]) for k in b[1]),
+            "loss_diff": max(float((x - y).abs()) for x, y in zip(a[0], b[0])),
+            "param_diff": max(float((a[1][k] - b[1][k]).abs().max()) for k in b[1])}
+
+
+def at_rest(model) -> int:
+    return sum(p.to_local().untyped_storage().nbytes() for p in model.parameters())
+
+
+def peak_bytes(model, rank, n) -> int:
+    x, y = batch(99, rank, n)
+    with MemoryTracker(model) as mt:
+        F.cross_entropy(model(x).flatten(0, 1).float(), y.flatten()).backward()
+    model.zero_grad()
+    return mt.peak
+
+
+def hook_order(model, rank, n) -> list[list[str]]:
+    """Our fully_shard's collectives in one step: ``[op, group]`` from the comm log."""
+    x, y = batch(99, rank, n)
+    with comm.logging_comm() as log:
+        F.cross_entropy(model(x).flatten(0, 1).float(), y.flatten()).backward()
+    model.zero_grad()
+    return [[r.op, (r.tag or "").split()[-1]] for r in log.records
+            if r.kind == "comm" and (r.tag or "").startswith("fsdp2")]
+
+
+def eager(rank, n, steps) -> dict:
+    out = {"parity": {}, "at_rest": {}, "eager_counts": {}, "peak": {}, "step_s": {}}
+    for mp in (False, True):
+        runs = {}
+        for kind in ("torch", "ours", "simple", "simple_keep"):
+            model = build(kind, mesh, mp)
+            if not mp:
+                out["at_rest"][kind] = at_rest(model)
+            losses, times, counts = train(model, rank, n, steps, count=kind.startswith("simple"))
+            runs[kind] = (losses, full(model))
+            if not mp:
+                out["step_s"][kind] = statistics.median(times[1:])
+                out["peak"][kind] = peak_bytes(model, rank, n)
+                if counts:
+                    out["eager_counts"][kind] = counts
+                if kind == "ours":
+                    out["hook_order"] = hook_order(model, rank, n)
+        for kind in ("ours", "simple", "simple_keep"):
+            out["parity"][kind + ("_bf16" if mp else "")] = same(runs[kind], runs["torch"])
+        if not mp:
+            out["_eager"] = runs["simple"]
+    model = build("ours_prefetch", mesh)
+    out["step_s"]["ours_prefetch"] = statistics.median(train(model, rank, n, steps)[1][1:])
+    return out
+
+
+def compiled(rank, n, steps, reference) -> dict:
+    """Compile the resharding SimpleFSDP without passes and with both passes; the graphs'
+    collectives before the passes, after each pass alone and after both."""
+    out = {"collectives": {}, "compiled": {}, "compile_s": {}, "step_s": {}}
+    for name, passes in (("none", ()), ("both", (gp.bucket_all_gathers, gp.prefetch_all_gathers))):
+        model, graphs = build("simple", mesh), []
+        run = torch.compile(model, backend=gp.backend(passes, graphs), fullgraph=True)
+        t0 = time.perf_counter()
+        losses, times, _ = train(run, rank, n, steps)
+        out["compile_s"][name] = time.perf_counter() - t0 - sum(times[1:])
+        out["step_s"][name] = statistics.median(times[1:])
+        out["compiled"][name] = same((losses, full(model)), reference)
+        out["collectives"][name] = {kind: gp.collectives(g) for kind, g in graphs[:2]}
+        if name == "none":
+            for single, p in (("bucket", gp.bucket_all_gathers),
+                              ("prefetch", gp.prefetch_all_gathers)):
+                out["collectives"][single] = {k: gp.collectives(p(copy.deepcopy(g)))
+                                              for k, g in graphs[:2]}
+    return out
+
+
+def inductor(rank, n, steps) -> dict:
+    """A 2-layer MLP under SimpleFSDP, compiled by Inductor (a fresh cache: a cold compile),
+    against the same model eager: compile seconds, step seconds, largest difference; or the
+    exception's type and first line if Inductor fails."""
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="minifsdp_inductor_")
+
+    def mlp():
+        torch.manual_seed(0)
+        return data_parallel(nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)), mesh)
+
+    def run(model):
+        losses, times = [], []
+        for step in range(steps):
+            x = torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * step + rank))
+            t0 = time.perf_counter()
+            loss = model(x).square().mean()
+            loss.backward()
+            times.append(time.perf_counter() - t0)
+            losses.append(loss.detach())
+            with torch.no_grad():
+                for p in model.parameters():
+                    p -= 0.1 * p.grad
+                    p.grad = None
+        return losses, times
+
+    reference, model = run(mlp())[0], mlp()
+    try:
+        losses, times = run(torch.compile(model, backend="inductor", fullgraph=True))
+    except Exception as e:  # noqa: BLE001 -- the failure is the result
+        return {"ok": False, "error": type(e).__name__, "first_line": str(e).splitlines()[0]}
+    return {"ok": True, "first_step_s": times[0], "step_s": statistics.median(times[1:]),
+            "loss_diff": max(float((a - b).abs()) for a, b in zip(losses, reference))}
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--compile", action="store_true")
+    parser.add_argument("--inductor", action="store_true")
+    args = parser.parse_args()
+    info = dist_setup()
+    mesh = init_device_mesh("cpu", (info.world_size,))
+    results = eager(info.rank, info.world_size, args.steps)
+    reference = results.pop("_eager")
+    if args.compile:
+        more = compiled(info.rank, info.world_size, args.steps, reference)
+        results["step_s"].update({f"compiled_{k}": v for k, v in more.pop("step_s").items()})
+        results.update(more)
+    if args.inductor:
+        results["inductor"] = inductor(info.rank, info.world_size, args.steps)
+    finish(results)
