@@ -157,6 +157,7 @@ def _hang(lab: seams.Lab, head: str, n: int, logs: dict[int, str], file_name: st
              "joined it. A collective issued on some ranks only, or in another order on each?"]
     where = None
     for r, text in sorted(logs.items()):
+        text = re.sub(r"(?m)^\[rank\d+\]:\s?", "", text)
         frames = frames_in(text, file_name) if file_name else []
         if frames:
             f, ln, code = frames[-1]
