@@ -278,6 +278,7 @@ class BucketedDDP(nn.Module):
 
     # ---- during backward ---------------------------------------------------------------
 
+    # seam "ddp.grad_hook" (lab 02): labs/lab02_ddp.py's on_grad_ready replaces this method.
     def _on_grad_ready(self, i: int, param: nn.Parameter) -> None:
         """Post-accumulate-grad hook: ``param.grad`` now holds this backward's contribution."""
         if not self._armed:  # inside no_sync: the gradient just stays in .grad
@@ -294,6 +295,7 @@ class BucketedDDP(nn.Module):
         bucket.pending -= 1
         self._launch_ready_buckets()
 
+    # seam "ddp.launch" (lab 02): labs/lab02_ddp.py's launch_ready_buckets replaces this method.
     def _launch_ready_buckets(self) -> None:
         # In order only: collectives match by their order of issue (Note [buckets]).
         while self._next_bucket < len(self.buckets):
@@ -311,6 +313,10 @@ class BucketedDDP(nn.Module):
             with comm.span(FINAL_SPAN):
                 mine = self._fill_missing()
                 self._launch_ready_buckets()  # now every bucket, on every rank
+                stuck = [b.index for b in self.buckets if b.work is None]
+                if stuck:  # a hook that did not count its gradient (pending never reached 0)
+                    raise RuntimeError(f"BucketedDDP: buckets {stuck} were never launched: "
+                                       "their pending counts did not reach 0 (Note [buckets])")
                 status = torch.empty(self.world_size * len(mine), dtype=torch.int32,
                                      device=self.buckets[0].buffer.device)
                 work = comm.all_gather_into_tensor(status, mine.to(status.device),

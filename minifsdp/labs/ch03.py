@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from minifsdp.labs.seams import Lab, Seam
 from minifsdp.notebook import check
 
 
@@ -74,3 +75,128 @@ def check_zero_step_wire_bytes(fn, measured: list[tuple] | None = None) -> bool:
              for st in ("ddp", "zero1", "zero2")]
     close = lambda a, b: abs(a - b) <= 1e-9 * max(1.0, b)
     return check("ZeRO bytes per step", [*cases, *(measured or [])], fn, close=close)
+
+
+# ---- lab 03: the ZeRO-2 step ------------------------------------------------------------------
+
+REDUCE, STEP = "zero.reduce", "zero.step"
+COLLECTIVES = "collectives of the step, in issue order"
+FREED = "full bucket gradient freed after backward (b.grad is None)"
+CAP_MB = 64 / 2**20  # 64 bytes: three buckets of 15, 4 and 20 elements (padding at N = 2, 3)
+
+
+def _zero_model():
+    """Two trainable layers around a frozen one: 39 trainable elements, uneven at N = 2, 3."""
+    import torch.nn as nn
+
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(5, 4), nn.Tanh(), nn.Linear(4, 4).requires_grad_(False),
+                         nn.Tanh(), nn.Linear(4, 3))
+
+
+def _zero_steps(model, opt, steps: int, micro: int, rank: int, sync=None) -> list[dict]:
+    """``steps`` steps of ``micro`` backwards each on this rank's (4, 5) batches; per step the
+    losses, the optimizer's per-bucket state after backward, the collectives and parameters."""
+    from minifsdp import comm
+
+    out = []
+    for step in range(steps):
+        rec: dict = {"loss": []}
+        with comm.logging_comm() as log:
+            for m in range(micro):
+                g = torch.Generator().manual_seed(100 * step + 10 * m + rank)
+                x, y = torch.randn(4, 5, generator=g), torch.randn(4, 3, generator=g)
+                loss = (model(x) - y).square().mean()
+                loss.backward()
+                rec["loss"].append(loss.detach().clone())
+            if hasattr(opt, "buckets"):
+                rec["freed"] = [b.grad is None for b in opt.buckets]
+                rec["shard grads"] = [None if b.shard.grad is None else b.shard.grad.clone()
+                                      for b in opt.buckets]
+            opt.step()
+        rec["collectives"] = [f"{r.op} {tuple(r.shape)}" for r in log.comms()]
+        opt.zero_grad(set_to_none=True)
+        rec["params"] = [p.detach().clone() for p in model.parameters()]
+        out.append(rec)
+    return out
+
+
+def run_lab(t, info) -> None:
+    """Lab 03's cases: ZeRO-2 (three buckets, padding, a frozen layer), ZeRO-2 with gradient
+    accumulation and ZeRO-1, each against the package's ZeroOptimizer; torch DDP at N = 2."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    from minifsdp.labs import seams
+    from minifsdp.zero import ZeroOptimizer, setup_zero
+
+    n, r = info.world_size, info.rank
+
+    class Reference(ZeroOptimizer):  # the package's own reduce and step: the oracle
+        _reduce = seams.reference(REDUCE)
+        step = seams.reference(STEP)
+
+    adamw = lambda ps: torch.optim.AdamW(ps, lr=1e-2)
+    for stage, micro, steps in ((2, 1, 3), (2, 2, 2), (1, 1, 2)):
+        title = f"ZeRO-{stage}, 3 buckets, {steps} AdamW steps" + (
+            f", {micro} backwards per step" if micro > 1 else "")
+        with t.case(title, (REDUCE, STEP)):
+            model = _zero_model()
+            ref = Reference(model.parameters(), adamw, stage, CAP_MB)
+            want = _zero_steps(model, ref, steps, micro, r)
+            ddp = None
+            if n == 2 and micro == 1 and stage == 2:  # torch is bitwise where 1/N is exact
+                model = DistributedDataParallel(_zero_model())
+                ddp = _zero_steps(model, torch.optim.AdamW(model.parameters(), lr=1e-2), steps,
+                                  micro, r)
+            model, opt = setup_zero(_zero_model(), adamw, stage, CAP_MB)
+            got = _zero_steps(model, opt, steps, micro, r)
+            names = [nm for nm, _ in model.named_parameters()]
+            for step, (g, w) in enumerate(zip(got, want)):
+                for k, loss in enumerate(g["loss"]):
+                    t.expect(f"loss of backward {k}", loss, w["loss"][k], step=step,
+                             phase="forward")
+                for i, (fg, fw) in enumerate(zip(g["freed"], w["freed"])):
+                    t.expect(f"bucket {i}: {FREED}", fg, fw, step=step, phase="backward")
+                for i, (sg, sw) in enumerate(zip(g["shard grads"], w["shard grads"])):
+                    t.expect(f"bucket {i}: shard.grad", sg, sw, step=step, phase="backward")
+                t.expect(COLLECTIVES, g["collectives"], w["collectives"], step=step,
+                         phase="backward and step")
+                for name, p, pw in zip(names, g["params"], w["params"]):
+                    t.expect(name, p, pw, step=step, phase="optimizer step")
+                for name, p, pw in zip(names, g["params"], (ddp or [{}] * steps)[step].get(
+                        "params", [])):
+                    t.expect(f"{name} (vs torch DDP)", p, pw, step=step, phase="optimizer step")
+                if ddp:
+                    t.expect("loss (vs torch DDP)", g["loss"][0], ddp[step]["loss"][0],
+                             step=step, phase="forward")
+
+
+def hint(name: str, got, expected, n: int) -> str | None:
+    if name == COLLECTIVES and isinstance(got, list):
+        ops = lambda xs: [x.split(" ")[0] for x in xs]
+        if "all_reduce" in ops(got) and "all_reduce" not in ops(expected):
+            return ("an all-reduce hands every rank the whole average: stage 1's traffic; stage 2 "
+                    "reduce-scatters, so each rank receives only its slice (Note [ZeRO-1 traffic])")
+        if ops(got).count("all_gather") < ops(expected).count("all_gather"):
+            return ("fewer all-gathers: the slices other ranks stepped never reach your parameters "
+                    "(Note [flat partition])")
+        return "the same collectives on every rank, in bucket order, through minifsdp.comm"
+    if name.endswith(FREED) and got is False:
+        return ("stage 2 keeps only its slice: drop the bucket's full gradient once it is reduced "
+                "(Note [ZeRO memory categories])")
+    if name.endswith("shard.grad") and got is None:
+        return "no gradient on the shard: the inner optimizer skips it"
+    return None
+
+
+LAB = Lab(
+    id="03",
+    title="the ZeRO-2 step",
+    skeleton="labs/lab03_zero.py",
+    seams=(Seam(REDUCE, "minifsdp.zero", "ZeroOptimizer._reduce"),
+           Seam(STEP, "minifsdp.zero", "ZeroOptimizer.step")),
+    notes=("flat partition", "ZeRO-1 traffic", "ZeRO memory categories"),
+    run=run_lab,
+    hint=hint,
+    oracle="the package's ZeroOptimizer (and torch DDP at N = 2)",
+)
