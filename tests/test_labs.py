@@ -182,3 +182,14 @@ def test_skeletons_hold_no_solution():
         for s in spec.seams:
             last = fns[s.fn_name].body[-1]
             assert isinstance(last, ast.Raise), f"lab {lab}: {s.fn_name} must end in the raise"
+
+
+def test_labs_readme_lists_every_lab_file_seam_and_command():
+    text = (ROOT / "labs" / "README.md").read_text()
+    for lab in seams.LAB_IDS:
+        spec = seams.get_lab(lab)
+        row = next((ln for ln in text.splitlines() if ln.startswith(f"| {lab} ")), None)
+        assert row, f"labs/README.md has no row for lab {lab}"
+        assert Path(spec.skeleton).name in row, row
+        for s in spec.seams:
+            assert f"`{s.name}`" in row, f"lab {lab}: seam {s.name} missing from {row}"
