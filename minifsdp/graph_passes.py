@@ -115,44 +115,50 @@ def _done(gm: fx.GraphModule) -> fx.GraphModule:
 
 
 def bucket_all_gathers(gm: fx.GraphModule, group: Callable[[str], str] = block_of):
-    """One all-gather per run of consecutive all-gathers of one block.
-
-    Assumes: every all-gather of a run has the same group (size, name) and gathers along dim
-    0, so the output is the ranks' inputs stacked; each input is the same size on every rank
-    (DTensor pads uneven shards before gathering). Then the concatenated flat inputs, gathered,
-    are ``(world, total)``; parameter j is columns ``[o_j, o_j + numel_j)`` of it, reshaped.
-    The bucket is issued where the run's first all-gather was, waited where its first wait was.
-    """
-    g = gm.graph
+    """One all-gather per run of consecutive all-gathers of one block (Note [a bucket in the
+    graph]); a run of one stays as it is."""
     for run in _groups(gm, group):
-        if len(run) < 2:
-            continue
-        order = {n: i for i, n in enumerate(g.nodes)}
-        first, first_wait = run[0], min((_wait_of(a) for a in run), key=order.get)
-        size, name = first.args[1], first.args[2]
-        for a in run:
-            _hoist(a.args[0], first, order)
-        with g.inserting_before(first):
-            flat = [g.call_function(_aten.reshape.default, (a.args[0], [-1])) for a in run]
-            ag = g.call_function(AG, (g.call_function(_aten.cat.default, (flat,)), size, name))
-        numels = [a.args[0].meta["val"].numel() for a in run]
-        with g.inserting_before(first_wait):
-            rows = g.call_function(_aten.view.default,
-                                   (g.call_function(WAIT, (ag,)), [size, sum(numels)]))
-            o = 0
-            for a, k in zip(run, numels):
-                piece = g.call_function(_aten.slice.Tensor, (rows, 1, o, o + k))
-                shape = list(a.meta["val"].shape)
-                out = g.call_function(_aten.reshape.default,
-                                      (g.call_function(_aten.clone.default, (piece,)), shape))
-                o += k
-                _wait_of(a).replace_all_uses_with(out)
-        for a in run:  # erased only now: first_wait anchored the insertions
-            g.erase_node(_wait_of(a))
-            g.erase_node(a)
-        ag.meta["param"] = ",".join(a.meta["param"] for a in run)
-        ag.meta["val"] = torch.empty(size * sum(numels), device="meta")
+        if len(run) >= 2:
+            bucket_run(gm.graph, run)  # seam "graph_passes.bucket" (lab 10): one run's rewrite
     return _done(gm)
+
+
+def bucket_run(g: fx.Graph, run: list[fx.Node]) -> None:
+    """Replace the all-gathers of ``run`` (and their waits) in ``g`` by one bucketed all-gather.
+
+    Note [a bucket in the graph]: assumes every all-gather of a run has the same group (size,
+    name) and gathers along dim 0, so its output is the ranks' inputs stacked; each input is the
+    same size on every rank (DTensor pads uneven shards before gathering, Note [padding]). Then
+    the concatenated flat inputs, gathered, are ``(world, total)`` -- rank-major, as chapter
+    05's buffer (Note [copy-in and copy-out]); parameter j is columns ``[o_j, o_j + numel_j)``
+    of it, reshaped to its gathered shape. The bucket is issued where the run's first
+    all-gather was, waited where its first wait was.
+    """
+    order = {n: i for i, n in enumerate(g.nodes)}
+    first, first_wait = run[0], min((_wait_of(a) for a in run), key=order.get)
+    size, name = first.args[1], first.args[2]
+    for a in run:
+        _hoist(a.args[0], first, order)
+    with g.inserting_before(first):
+        flat = [g.call_function(_aten.reshape.default, (a.args[0], [-1])) for a in run]
+        ag = g.call_function(AG, (g.call_function(_aten.cat.default, (flat,)), size, name))
+    numels = [a.args[0].meta["val"].numel() for a in run]
+    with g.inserting_before(first_wait):
+        rows = g.call_function(_aten.view.default,
+                               (g.call_function(WAIT, (ag,)), [size, sum(numels)]))
+        o = 0
+        for a, k in zip(run, numels):
+            piece = g.call_function(_aten.slice.Tensor, (rows, 1, o, o + k))
+            shape = list(a.meta["val"].shape)
+            out = g.call_function(_aten.reshape.default,
+                                  (g.call_function(_aten.clone.default, (piece,)), shape))
+            o += k
+            _wait_of(a).replace_all_uses_with(out)
+    for a in run:  # erased only now: first_wait anchored the insertions
+        g.erase_node(_wait_of(a))
+        g.erase_node(a)
+    ag.meta["param"] = ",".join(a.meta["param"] for a in run)
+    ag.meta["val"] = torch.empty(size * sum(numels), device="meta")
 
 
 def prefetch_all_gathers(gm: fx.GraphModule, group: Callable[[str], str] = block_of):
