@@ -229,7 +229,7 @@ if __name__ == "__main__":
     parser.add_argument("--inductor", action="store_true")
     args = parser.parse_args()
     info = dist_setup()
-    mesh = init_device_mesh("cpu", (info.world_size,))
+    mesh = init_device_mesh(info.device.type, (info.world_size,))
     results = eager(info.rank, info.world_size, args.steps)
     reference = results.pop("_eager")
     if args.compile:

@@ -9,6 +9,8 @@ together: the skeleton ``labs/labNN_*.py`` (the only file you edit, as a copy in
 which git ignores, so neither ``git pull`` nor the tests ever touch your work), and
 ``minifsdp/labs/chNN.py`` with the lab's seams and cases and the chapter's exercise checkers.
 The solution is the package's own code behind each seam (``labs/README.md`` lists them).
+Labs always run on gloo with CPU tensors, also on a GPU machine: the oracles are bitwise on CPU
+kernels, and a check reads the same on a laptop and on an 8-GPU box.
 
 Modules: ``seams`` (where your code plugs in), ``report`` (the first divergence, in words),
 ``worker`` (the torchrun entry point), ``chNN`` (one chapter each).
@@ -107,7 +109,7 @@ def _check(lab: seams.Lab, spec: str, world_sizes: tuple[int, ...], timeout: flo
         try:
             run = torchrun("minifsdp.labs.worker", lab.id, nproc=n, name=name, chapter="labs",
                            timeout=timeout, progress=False,
-                           env={"MINIFSDP_LAB_FILE": spec})
+                           env={"MINIFSDP_LAB_FILE": spec, "MINIFSDP_BACKEND": "gloo"})
         except WorkerTimeout as e:
             return _hang(lab, head, n, e.logs, file_name, timeout)
         except WorkerError as e:

@@ -107,13 +107,13 @@ def run_lab(t, info) -> None:
     from minifsdp import fsdp1
     from minifsdp.train import loss_fn
 
-    n, r, cpu = info.world_size, info.rank, torch.device("cpu")
+    n, r, dev = info.world_size, info.rank, info.device
     base = _lab_mlp()
     ours_m, theirs_m = copy.deepcopy(base), copy.deepcopy(base)
     with t.case("flatten, align, pad and shard each unit", (LAYOUT, SHARD, RESHARD)):
         ours = fsdp1.FullyShardedDataParallel(
-            ours_m, device_id=cpu, auto_wrap_policy=fsdp1.size_based_auto_wrap_policy(1000))
-        theirs = TorchFSDP(theirs_m, device_id=cpu, use_orig_params=True, auto_wrap_policy=(
+            ours_m, device_id=dev, auto_wrap_policy=fsdp1.size_based_auto_wrap_policy(1000))
+        theirs = TorchFSDP(theirs_m, device_id=dev, use_orig_params=True, auto_wrap_policy=(
             functools.partial(wrap.size_based_auto_wrap_policy, min_num_params=1000)))
         units = [u for u in ours.modules() if isinstance(u, fsdp1.FullyShardedDataParallel)]
         masks = []

@@ -118,7 +118,7 @@ def train_vs_torch(t, info, policy: dict | None = None, on_backward=None) -> dic
     from minifsdp import comm, fsdp2
 
     n, r = info.world_size, info.rank
-    mesh = init_device_mesh("cpu", (n,))
+    mesh = init_device_mesh(info.device.type, (n,))
     models, opts, seen = {}, {}, {}
     for impl, shard, cls in (("ours", fsdp2.fully_shard, fsdp2.MixedPrecisionPolicy),
                              ("torch", torch_fully_shard, TorchPolicy)):
@@ -177,7 +177,7 @@ def run_lab(t, info) -> None:
     with t.case("copy-out and copy-in of one group (uneven rows, an empty shard at N = 3)",
                 (COPY_OUT, COPY_IN)):
         m = lab_net()
-        fsdp2.fully_shard(m, mesh=init_device_mesh("cpu", (n,)))
+        fsdp2.fully_shard(m, mesh=init_device_mesh(info.device.type, (n,)))
         group = m.fsdp_state.group
         slot = sum(p.padded_shard_numel for p in group.fsdp_params)
         # a buffer whose every element says where it sits: rank r's slot holds r * 1000 + i

@@ -161,7 +161,7 @@ def _train(impl: str, model_name: str, config: str, info, steps: int = 3) -> lis
     from minifsdp.models import GPT, GPTConfig
 
     n, rank = info.world_size, info.rank
-    mesh = init_device_mesh("cpu", (n,))
+    mesh = init_device_mesh(info.device.type, (n,))
     torch.manual_seed(0)
     if model_name == "gpt":  # d_model 32 over 3 ranks: uneven rows
         model = GPT(GPTConfig(vocab_size=64, seq_len=16, n_layer=3, n_head=4, d_model=32))

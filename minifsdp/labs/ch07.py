@@ -106,7 +106,7 @@ def run_lab(t, info) -> None:
     with t.case("the all-gather copy-in of each group, bf16 params", (COPY_IN,)):
         m = lab_net()
         policy = fsdp2.MixedPrecisionPolicy(**BF16_FP32)
-        mesh = init_device_mesh("cpu", (n,))
+        mesh = init_device_mesh(info.device.type, (n,))
         for unit in (m.body, m.narrow, m):
             fsdp2.fully_shard(unit, mesh=mesh, mp_policy=policy)
         for name, unit in (("body", m.body), ("narrow", m.narrow), ("root", m)):

@@ -182,7 +182,7 @@ def run_lab(t, info) -> None:
     box = [tempfile.mkdtemp(prefix="minifsdp_lab08_") if r == 0 else None]
     dist.broadcast_object_list(box)
     root = Path(box[0])
-    full_mesh = init_device_mesh("cpu", (n,))
+    full_mesh = init_device_mesh(info.device.type, (n,))
     small = DeviceMesh("cpu", list(range(n - 1)))
     _reshard_cases(t, root, small, full_mesh, n)
     _reshard_cases(t, root / "back", full_mesh, small, n)

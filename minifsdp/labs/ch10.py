@@ -133,7 +133,7 @@ def run_lab(t, info) -> None:
             t.expect(f"{name}, gathered", got, full, phase="run")
 
     cfg = GPTConfig(vocab_size=64, seq_len=16, n_layer=2, n_head=4, d_model=32)
-    mesh = init_device_mesh("cpu", (n,))
+    mesh = init_device_mesh(info.device.type, (n,))
 
     def gpt():
         torch.manual_seed(0)
