@@ -65,6 +65,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed import ReduceOp
+from torch.distributed.distributed_c10d import _resolve_process_group as _resolve_group
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass_type
 
 
 @dataclass
@@ -394,3 +396,59 @@ def barrier(group=None, async_op=False, device_ids=None, *, tag=None):
     """Wait until every rank of ``group`` arrives. Wire: logged as 0 (a token exchange)."""
     return _logged("barrier", None, 0.0, group, tag, async_op,
                    lambda: dist.barrier(group, async_op, device_ids))
+
+
+# ---------------------------------------------------------------- functional collectives
+
+class FunctionalCollectives(TorchDispatchMode):
+    """Log DTensor's and compiled graphs' collectives too: ``with FunctionalCollectives():``
+    records every ``_c10d_functional`` all-gather, reduce-scatter and all-reduce in the active
+    logs, as the wrappers above do, and stamps its ``wait_tensor``.
+
+    Note [functional collectives]: DTensor (so SimpleFSDP, chapter 10) and ``torch.compile``
+    do not call ``torch.distributed``: they call ``torch.ops._c10d_functional`` ops, which issue
+    the collective and return its future output at once, and a separate ``wait_tensor`` op that
+    blocks until it is there. A dispatch mode sees both, in eager code and in a compiled graph
+    that runs as Python (``ignore_compile_internals``: the mode is off while compile traces,
+    on while its graphs run). The collective is ``t_start``; its ``wait_tensor`` is ``t_wait``
+    to ``t_end``, so ``exposed_seconds`` means the same as for our own async calls (Note
+    [exposed communication]). Eager DTensor waits at the first use of the output, i.e. at
+    once: everything is exposed; a graph pass that issues early can hide it.
+    """
+
+    WIRE = {"all_gather_into_tensor": ("all_gather", lambda n, s: (n - 1) * s),
+            "reduce_scatter_tensor": ("reduce_scatter", lambda n, s: (n - 1) / n * s),
+            "all_reduce": ("all_reduce", lambda n, s: 2 * (n - 1) / n * s)}
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._pending: dict[int, list[tuple[CommLog, CommRecord]]] = {}
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        return True
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if any(t is not torch.Tensor and is_traceable_wrapper_subclass_type(t) for t in types):
+            return NotImplemented  # DTensor: it comes back with its local tensors
+        name = func.__name__.split(".")[0]
+        if func.namespace != "_c10d_functional" or name not in (*self.WIRE, "wait_tensor"):
+            return func(*args, **kwargs)
+        t0 = time.perf_counter()
+        out = func(*args, **kwargs)
+        if name == "wait_tensor":
+            t = time.perf_counter()
+            for log, rec in self._pending.pop(out.untyped_storage().data_ptr(), []):
+                rec.t_wait, rec.t_end = t0 - log.t0, t - log.t0
+                rec.t_done = rec.t_end
+            return out
+        op, wire = self.WIRE[name]
+        tensor = args[0]
+        group = _resolve_group(args[-1])
+        recs = [(log, _record(log, "comm", op, _nbytes(tensor), wire(group.size(), _nbytes(tensor)),
+                              group.size(), tensor, t0, None, None)) for log in _ACTIVE]
+        for log, rec in recs:
+            log.records.append(rec)
+        self._pending[out.untyped_storage().data_ptr()] = recs
+        return out

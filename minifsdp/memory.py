@@ -39,6 +39,13 @@ tagged with ``label="blocks.1"`` is also counted under that name, and every samp
 step (``minifsdp.plot.plot_label_timeline``). A label sticks to its storage through
 ``resize_(0)`` / ``resize_(n)``, so a freed and re-gathered parameter keeps its name.
 
+Note [compiled code]: ``torch.compile`` will not trace under a dispatch mode, unless the mode
+says ``ignore_compile_internals()``: then compile turns it off while it traces and back on
+while the compiled graphs run. Ours says so. A graph run as Python (``aot_eager``,
+``minifsdp.graph_passes.backend``) calls ATen ops one by one, and we see each of them, so a
+compiled step is measured like an eager one (chapter 10). Inductor's generated code allocates
+its buffers outside the dispatcher: for it we would see only the ops it did not fuse.
+
 Note [CUDA]: the caching allocator rounds every block up to 512 bytes, so we round too (as
 torch's MemTracker does) and record ``torch.cuda.memory_allocated()`` in each sample as
 ``"allocator"``, a cross-check that also sees what no dispatch mode can (workspaces, NCCL
@@ -113,6 +120,10 @@ class MemoryTracker(TorchDispatchMode):
         >>> mt.peak_by_category["params"] == 4 * (256 * 256 + 256)
         True
     """
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:  # Note [compiled code]
+        return True
 
     def __init__(self, model=None, optimizer=None, device=None, max_samples: int = 4096):
         super().__init__()

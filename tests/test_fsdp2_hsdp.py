@@ -269,6 +269,27 @@ def test_worker_mesh_errors(worker):
         assert e["3d_untouched"] and e["unnamed_untouched"] and e["swapped_untouched"]
 
 
+def test_worker_simple_fsdp_hybrid_shard(worker):
+    """SimpleFSDP's HSDP mode (chapter 10) on the same 2 x 2 mesh as torch's ``fully_shard``:
+    the stored placements are (Replicate, Shard(0)); per parameter read one all-gather in the
+    shard group, per gradient one all-reduce across replicas and one reduce-scatter in the
+    shard group; the losses of all 3 steps equal torch's, the parameters to rounding. DTensor
+    redistributes ``(Partial, Partial) -> (Replicate, Shard(0))`` one mesh dimension at a time,
+    the replicas first: it adds ranks (0 + 2) and (1 + 3), then the two sums; ``fully_shard``
+    reduce-scatters first, (0 + 1) and (2 + 3). Four floats added in another grouping round
+    differently."""
+    reads, block_reads = 29, 24  # tok_emb, pos_emb, 2 x 12 in blocks, ln_f (2), head (tied)
+    for r in worker:
+        for name, res in r["simple_fsdp"].items():
+            assert res["losses_equal"] and res["placements"] == ["['R', 'S(0)']"], (name, res)
+            assert not res["bitwise"] and 0 < res["max_diff"] < 1e-4, res
+            assert res["first_gradient"] == ["all_reduce", "reduce_scatter"], res
+            gathers = STEPS * (reads + (block_reads if name == "reshard" else 0))
+            assert {tuple(k): v for k, v in res["calls"]} == {
+                ("all_gather", S): gathers, ("reduce_scatter", S): STEPS * reads,
+                ("all_reduce", R): STEPS * reads}, (name, res["calls"])
+
+
 # ---- activation checkpointing ------------------------------------------------------------------
 
 def test_activation_checkpointing_is_bitwise_with_dropout(ac_run):

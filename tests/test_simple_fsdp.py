@@ -106,3 +106,33 @@ def test_memory_at_rest(runs, n):
             assert rest["simple"][key] == rest["ours"][key] == rest["torch"][key], (key, rest)
     if n == 3:
         assert runs[3][2]["at_rest"]["simple"]["storage"] > runs[3][2]["at_rest"]["simple"]["rows"]
+
+
+def test_replicate_mode_is_ddp(runs):
+    """``mode="replicate"`` at N = 2 is torch DDP bit for bit: nothing in forward, one all-reduce
+    (avg) per gradient. (DDP divides by N before a SUM, gloo's AVG after the sum: dividing by 2
+    is exact, so both round once, at the sum.)"""
+    for run in runs[2]:
+        rep = run["replicate"]
+        assert rep["losses"] and rep["params"], rep
+        collectives = {k: v for k, v in rep["counts"].items() if k.split()[1].startswith("all_")}
+        assert collectives == {"backward all_reduce": GPT_PARAMS}, rep["counts"]
+
+
+OPS = {"all_gather_into_tensor": "all_gather", "reduce_scatter_tensor": "reduce_scatter"}
+
+
+def test_compiled_steps_are_logged_and_measured(runs):
+    """``comm.FunctionalCollectives`` logs the compiled graphs' collectives in graph order, each
+    with its wait (Note [functional collectives]); ``MemoryTracker`` measures a compiled step
+    (Note [compiled code]): resharding lowers the peak below keeping, the passes raise it."""
+    for run in runs[2]:
+        c = run["compiled"]
+        for name in ("none", "both"):
+            graphs = run["collectives"][name]
+            in_graphs = [OPS[op] for g in ("forward", "backward") for op, *_ in graphs[g]]
+            assert c[name]["logged"] == in_graphs, name
+            assert c[name]["waited"] == len(in_graphs)
+        assert c["none"]["wire_bytes"] == c["both"]["wire_bytes"]
+        assert 0 < c["none"]["peak"] < c["keep"]["peak"], c
+        assert c["both"]["peak"] > c["none"]["peak"], c

@@ -10,10 +10,11 @@ same batches in every variant. Per rank it reports:
 - ``parity``: each eager variant (SimpleFSDP resharding / keeping, ours) against torch's
   ``fully_shard``, fp32 and bf16/fp32: losses and full parameters bit for bit, largest diffs;
 - ``at_rest``: bytes of the sharded parameters; ``eager_counts``: collectives per phase;
-  ``peak``: MemoryTracker's peak of one eager step; ``hook_order``: our ``fully_shard``'s
-  collectives of one step (from the comm log, by group);
-- with ``--compile``: the forward and backward graphs' collectives before and after the
-  passes, compiled == eager bitwise, compile seconds and step times;
+  ``hook_order``: our ``fully_shard``'s collectives of one step (from the comm log, by group);
+- with ``--compile``: SimpleFSDP compiled with each set of passes (``VARIANTS``): the forward
+  and backward graphs' collectives, compiled == eager bitwise, compile seconds; and
+  ``measured``, every variant eager and compiled side by side: step seconds, collectives and
+  wire bytes of one step, its exposed communication and its peak memory (``measure``);
 - with ``--inductor``: the same model under ``backend="inductor"``: compile seconds and
   bitwise equality with eager, or the exception's type and first line.
 """
@@ -22,11 +23,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import copy
 import os
 import statistics
 import tempfile
 import time
+from collections import Counter
 
 import torch
 import torch.nn as nn
@@ -142,7 +143,7 @@ def hook_order(model, rank, n) -> list[list[str]]:
 
 
 def eager(rank, n, steps) -> dict:
-    out = {"parity": {}, "at_rest": {}, "eager_counts": {}, "peak": {}, "step_s": {}}
+    out = {"parity": {}, "at_rest": {}, "eager_counts": {}}
     for mp in (False, True):
         runs = {}
         for kind in ("torch", "ours", "simple", "simple_keep"):
@@ -152,8 +153,6 @@ def eager(rank, n, steps) -> dict:
             losses, times, counts = train(model, rank, n, steps, count=kind.startswith("simple"))
             runs[kind] = (losses, full(model))
             if not mp:
-                out["step_s"][kind] = statistics.median(times[1:])
-                out["peak"][kind] = peak_bytes(model, rank, n)
                 if counts:
                     out["eager_counts"][kind] = counts
                 if kind == "ours":
@@ -162,29 +161,67 @@ def eager(rank, n, steps) -> dict:
             out["parity"][kind + ("_bf16" if mp else "")] = same(runs[kind], runs["torch"])
         if not mp:
             out["_eager"] = runs["simple"]
-    model = build("ours_prefetch", mesh)
-    out["step_s"]["ours_prefetch"] = statistics.median(train(model, rank, n, steps)[1][1:])
     return out
 
 
+PASSES = {"none": (), "bucket": (gp.bucket_all_gathers,), "prefetch": (gp.prefetch_all_gathers,),
+          "both": (gp.bucket_all_gathers, gp.prefetch_all_gathers)}
+# what section 4 measures: name -> (build kind, passes; None = eager)
+VARIANTS = {"simple": ("simple", None), "simple_keep": ("simple_keep", None),
+            "ours": ("ours", None), "ours_prefetch": ("ours_prefetch", None),
+            "compiled": ("simple", "none"), "compiled_keep": ("simple_keep", "none"),
+            "compiled_bucket": ("simple", "bucket"), "compiled_prefetch": ("simple", "prefetch"),
+            "compiled_both": ("simple", "both")}
+
+
 def compiled(rank, n, steps, reference) -> dict:
-    """Compile the resharding SimpleFSDP without passes and with both passes; the graphs'
-    collectives before the passes, after each pass alone and after both."""
-    out = {"collectives": {}, "compiled": {}, "compile_s": {}, "step_s": {}}
-    for name, passes in (("none", ()), ("both", (gp.bucket_all_gathers, gp.prefetch_all_gathers))):
-        model, graphs = build("simple", mesh), []
-        run = torch.compile(model, backend=gp.backend(passes, graphs), fullgraph=True)
+    """Compile SimpleFSDP with each set of passes (``VARIANTS``): the graphs' collectives,
+    compiled == eager bitwise over ``steps`` AdamW steps, compile seconds. Returns the models
+    too, for ``measure``."""
+    out = {"collectives": {}, "compiled": {}, "compile_s": {}, "_models": {}}
+    for name, (kind, passes) in VARIANTS.items():
+        if passes is None:
+            continue
+        model, graphs = build(kind, mesh), []
+        run = torch.compile(model, backend=gp.backend(PASSES[passes], graphs), fullgraph=True)
         t0 = time.perf_counter()
         losses, times, _ = train(run, rank, n, steps)
         out["compile_s"][name] = time.perf_counter() - t0 - sum(times[1:])
-        out["step_s"][name] = statistics.median(times[1:])
         out["compiled"][name] = same((losses, full(model)), reference)
-        out["collectives"][name] = {kind: gp.collectives(g) for kind, g in graphs[:2]}
-        if name == "none":
-            for single, p in (("bucket", gp.bucket_all_gathers),
-                              ("prefetch", gp.prefetch_all_gathers)):
-                out["collectives"][single] = {k: gp.collectives(p(copy.deepcopy(g)))
-                                              for k, g in graphs[:2]}
+        if kind == "simple":
+            out["collectives"][passes] = {k: gp.collectives(g) for k, g in graphs[:2]}
+        out["_models"][name] = (run, model)
+    return out
+
+
+def measure(models: dict, rank: int, n: int, rounds: int) -> dict:
+    """Per variant, on the same batches: step seconds (median of ``rounds``, the variants taking
+    turns so that a change in the machine's load hits them alike); then one step under the comm
+    log (``comm.FunctionalCollectives`` for DTensor's and the graphs' collectives, Note
+    [functional collectives]): collectives by op, wire bytes, exposed seconds; then one step
+    under ``MemoryTracker`` (compiled graphs too, Note [compiled code]): the peak."""
+    def step(run, module, s):
+        x, y = batch(s, rank, n)
+        F.cross_entropy(run(x).flatten(0, 1).float(), y.flatten()).backward()
+        module.zero_grad(set_to_none=True)
+
+    times: dict[str, list[float]] = {k: [] for k in models}
+    for r in range(rounds):
+        for k, (run, module) in models.items():
+            t0 = time.perf_counter()
+            step(run, module, 100 + r)
+            times[k].append(time.perf_counter() - t0)
+    out = {}
+    for k, (run, module) in models.items():
+        with comm.logging_comm() as log, comm.FunctionalCollectives():
+            step(run, module, 200)
+        with MemoryTracker(module) as mt:
+            step(run, module, 201)
+        out[k] = {"step_s": statistics.median(times[k]),
+                  "exposed_s": comm.exposed_seconds(log.comms()),
+                  "collectives": dict(Counter(r.op for r in log.comms())),
+                  "wire_bytes": log.total_bytes(wire=True), "peak": mt.peak,
+                  "peak_by_category": mt.peak_by_category}
     return out
 
 
@@ -226,6 +263,7 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--compile", action="store_true")
+    parser.add_argument("--rounds", type=int, default=6, help="timed steps per variant")
     parser.add_argument("--inductor", action="store_true")
     args = parser.parse_args()
     info = dist_setup()
@@ -234,8 +272,12 @@ if __name__ == "__main__":
     reference = results.pop("_eager")
     if args.compile:
         more = compiled(info.rank, info.world_size, args.steps, reference)
-        results["step_s"].update({f"compiled_{k}": v for k, v in more.pop("step_s").items()})
-        results.update(more)
+        models = more.pop("_models")
+        for name, (kind, passes) in VARIANTS.items():
+            if passes is None:
+                models[name] = (m := build(kind, mesh), m)
+        models = {k: models[k] for k in VARIANTS}
+        results.update(more, measured=measure(models, info.rank, info.world_size, args.rounds))
     if args.inductor:
         results["inductor"] = inductor(info.rank, info.world_size, args.steps)
     finish(results)

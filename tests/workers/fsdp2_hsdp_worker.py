@@ -203,8 +203,36 @@ def errors() -> dict:
     return out
 
 
+def simple_fsdp_hsdp() -> dict:
+    """SimpleFSDP's ``hybrid_shard`` mode (``minifsdp.simple_fsdp``, chapter 10) against torch's
+    ``fully_shard`` on the same 2-D mesh: DTensor derives the gradient's reduce-scatter within
+    a shard group and all-reduce across replicas from ``(Partial, Partial) -> (Replicate,
+    Shard(0))``; its collectives come from the functional log (Note [functional collectives])."""
+    from minifsdp.simple_fsdp import data_parallel, param_name
+    ref = shard(gpt(), "torch")
+    losses_ref, full_ref = train(ref), full(ref)
+    out = {}
+    for name, reshard in (("reshard", True), ("keep", False)):
+        model = data_parallel(gpt(), mesh, "hybrid_shard", reshard_after_forward=reshard)
+        with comm.logging_comm() as log, comm.FunctionalCollectives():
+            losses = train(model)
+        placements = {param_name(k): [str(p) for p in v.placements]
+                      for k, v in model.named_parameters()}
+        calls = [(c.op, c.group_size) for c in log.comms()]  # over STEPS steps
+        grads = [c.op for c in log.comms() if c.op != "all_gather"][:2]  # the first gradient's
+        mine = {param_name(k): v.full_tensor().detach().clone()
+                for k, v in model.named_parameters()}
+        out[name] = {"losses_equal": losses == losses_ref, **compare(mine, full_ref),
+                     "differ": sorted(k for k in mine if not torch.equal(mine[k], full_ref[k])),
+                     "placements": sorted({str(v) for v in placements.values()}),
+                     "first_gradient": grads,
+                     "calls": sorted({c: calls.count(c) for c in set(calls)}.items())}
+    return out
+
+
 out = {
     "rank": rank, "world_size": N,
+    "simple_fsdp": simple_fsdp_hsdp(),
     "cases": {name: run_case(p) for name, p in POLICIES.items()},
     "accumulate_no_sync": run_case(None, micro=2, no_sync=True),
     "accumulate_all_reduce_last": run_case(None, micro=2, all_reduce_last=True),

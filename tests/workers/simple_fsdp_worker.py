@@ -21,7 +21,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMP
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from minifsdp import fsdp2
+from minifsdp import comm, fsdp2
 from minifsdp import graph_passes as gp
 from minifsdp.dist import dist_setup, finish
 from minifsdp.memory import MemoryTracker
@@ -139,15 +139,26 @@ def parity() -> dict:
             out["eager"][f"{kind}{'_bf16' if mp else ''}"] = same(runs[kind], runs["torch"])
         if not mp:
             eager = runs["simple"]
+    if N == 2:  # DDP mode: stored Replicate, the gradient's Partial("avg") -> Replicate
+        ddp = torch.nn.parallel.DistributedDataParallel(gpt())
+        ref = train(ddp)[0], {k.removeprefix("module."): v for k, v in ddp.named_parameters()}
+        model = data_parallel(gpt(), mesh, "replicate")
+        losses, _, counts = train(model, count=True)
+        out["replicate"] = {**same((losses, full(model)), ref), "counts": counts}
     # Compiling costs most of this job: "none" and "both" are compiled and trained (at N = 3
     # only "both"); each single pass is applied to copies of the "none" graphs, for the lists.
-    for name in ("none", "both") if N == 2 else ("both",):
-        model, graphs = build("simple"), []
-        compiled = torch.compile(model, backend=gp.backend(PASSES[name], graphs), fullgraph=True)
+    # "keep" (N = 2): no passes, reshard_after_forward=False, for the compiled peaks.
+    for name in ("none", "both", "keep") if N == 2 else ("both",):
+        model, graphs = build("simple_keep" if name == "keep" else "simple"), []
+        passes = PASSES.get(name, ())
+        compiled = torch.compile(model, backend=gp.backend(passes, graphs), fullgraph=True)
         t0 = time.perf_counter()
         losses, _, _ = train(compiled)
         out["compiled"][name] = {**same((losses, full(model)), eager),
-                                 "seconds": time.perf_counter() - t0}
+                                 "seconds": time.perf_counter() - t0,
+                                 **logged_step(compiled, model)}
+        if name == "keep":
+            continue
         out["collectives"][name] = {kind: gp.collectives(g) for kind, g in graphs[:2]}
         out["prefetched"][name] = {kind: prefetched(g) for kind, g in graphs[:2]}
         if name == "none":
@@ -157,6 +168,21 @@ def parity() -> dict:
                 out["prefetched"][single] = {k: prefetched(g) for k, g in copies}
     out["cpu_s"] = time.process_time()
     return out
+
+
+def logged_step(run, model) -> dict:
+    """One step under the functional comm log and one under MemoryTracker (both run inside
+    compiled graphs: Note [functional collectives], Note [compiled code])."""
+    x, y = batch(50)
+    with comm.logging_comm() as log, comm.FunctionalCollectives():
+        F.cross_entropy(run(x).flatten(0, 1).float(), y.flatten()).backward()
+    model.zero_grad(set_to_none=True)
+    with MemoryTracker(model) as mt:
+        F.cross_entropy(run(x).flatten(0, 1).float(), y.flatten()).backward()
+    model.zero_grad(set_to_none=True)
+    waited = [r for r in log.comms() if r.t_wait is not None]
+    return {"logged": [r.op for r in log.comms()], "waited": len(waited),
+            "wire_bytes": log.total_bytes(wire=True), "peak": mt.peak}
 
 
 def prefetched(gm) -> list[bool]:
