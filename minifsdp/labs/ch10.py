@@ -113,12 +113,14 @@ def _reference_bucketing(gm):
 def run_lab(t, info) -> None:
     """Lab 10's cases, on every rank: a hand-made graph bucketed and run against the same graph
     unbucketed; then a SimpleFSDP GPT compiled once with your pass, against eager SimpleFSDP."""
+    import contextlib
     import copy
 
     import torch.nn.functional as F
     from torch.distributed.device_mesh import init_device_mesh
 
     from minifsdp import graph_passes as gp
+    from minifsdp.labs import heartbeat
     from minifsdp.models import GPT, GPTConfig
     from minifsdp.simple_fsdp import data_parallel, param_name
 
@@ -159,9 +161,12 @@ def run_lab(t, info) -> None:
         opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (eager, model)]
         for step in range(LAB_STEPS):
             x, y = batch(step)
-            losses = [F.cross_entropy(m(x).flatten(0, 1), y.flatten()) for m in (eager, compiled)]
-            for loss in losses:
-                loss.backward()
+            # step 0 compiles the forward and the backward graph: Note [a lab never hangs]
+            with heartbeat.patient() if step == 0 else contextlib.nullcontext():
+                losses = [F.cross_entropy(m(x).flatten(0, 1), y.flatten())
+                          for m in (eager, compiled)]
+                for loss in losses:
+                    loss.backward()
             if step == 0:
                 for kind, (got, want) in zip(("forward", "backward"), graphs):
                     t.expect(f"{kind} graph's collectives", got, want, phase="compile")
