@@ -46,11 +46,18 @@ counter], [FSDP2 memory categories], [accumulating without communication]
 is next], [same order on every rank], [mistargeted prefetches], [prefetch memory], [prefetch
 on GPUs] (prefetch.py); [mixed precision], [gloo dtypes] (mixed_precision.py), [accumulating
 in the reduce dtype] (fsdp_param.py); [recomputed in backward] (fsdp_state.py); [HSDP], [HSDP
-accumulation], [reshard to k ranks] (hsdp.py).
+accumulation], [reshard to k ranks] (hsdp.py); [all-gather extensions] (fsdp_param.py), [FP8
+all-gather], [where ours is simpler than torchao] (float8.py).
 
 Mixed precision (chapter 07): ``fully_shard(m, mesh=mesh, mp_policy=MixedPrecisionPolicy(
 param_dtype=torch.bfloat16, reduce_dtype=torch.float32))`` -- bf16 all-gathers and compute,
 fp32 sharded master weights and gradient reduction.
+
+FP8 all-gather (chapter 07): ``enable_float8_all_gather(model)`` before ``fully_shard`` marks the
+``nn.Linear`` weights as ``Float8Weight``s: each group's one all-gather then moves them as float8
+bytes (a per-tensor scale from an amax all-reduce) beside the other parameters' bf16 / fp32 bytes,
+in a ``uint8`` buffer (``extensions.py``, torch's ``fsdp_pre_all_gather`` /
+``fsdp_post_all_gather`` extension point); compute uses the dequantized weights.
 
 HSDP (chapter 09): ``fully_shard(m, mesh=init_device_mesh("cuda", (R, S), mesh_dim_names=(
 "replicate", "shard")))`` -- shards over S ranks, replicas over R, gradients reduce-scattered
@@ -63,6 +70,7 @@ from minifsdp.fsdp2.api import (
     fully_shard,
     load_full_state_dict,
 )
+from minifsdp.fsdp2.float8 import Float8Weight, enable_float8_all_gather
 from minifsdp.fsdp2.fsdp_param import FSDPParam, chunk_dim0
 from minifsdp.fsdp2.fsdp_param_group import FSDPParamGroup, ShardedState, TrainingState
 from minifsdp.fsdp2.fsdp_state import FSDPState
@@ -71,7 +79,8 @@ from minifsdp.fsdp2.mixed_precision import MixedPrecisionPolicy
 from minifsdp.fsdp2.prefetch import UnshardHandle
 
 __all__ = [
-    "FSDPModule", "FSDPParam", "FSDPParamGroup", "FSDPState", "MeshInfo", "MixedPrecisionPolicy",
-    "ShardedState", "TrainingState", "UnshardHandle", "chunk_dim0", "full_state_dict",
-    "fully_shard", "load_full_state_dict", "mesh_info",
+    "FSDPModule", "FSDPParam", "FSDPParamGroup", "FSDPState", "Float8Weight", "MeshInfo",
+    "MixedPrecisionPolicy", "ShardedState", "TrainingState", "UnshardHandle", "chunk_dim0",
+    "enable_float8_all_gather", "full_state_dict", "fully_shard", "load_full_state_dict",
+    "mesh_info",
 ]

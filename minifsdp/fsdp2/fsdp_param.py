@@ -41,11 +41,35 @@ padding is all at the *end*: the unsharded parameter is simply the first ``numel
 that buffer, a view (``unsharded_param``), and a ``resize_`` of its storage frees or restores
 it whole (Note [freeing with resize_] in ``fsdp_param_group.py``). Padding once here, at
 init, means no padding work in the training loop.
+
+Note [all-gather extensions] (torch: ``fsdp_pre_all_gather`` / ``fsdp_post_all_gather`` in
+``_fsdp_param.py``): a parameter whose type defines both hooks decides itself what travels in
+the all-gather and how the unsharded parameter is rebuilt from it -- FP8 all-gather
+(``float8.py``) is the use it was made for::
+
+    fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy)
+        -> (tensors to all-gather, each of the padded shard's shape), metadata
+    fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None)
+        -> (unsharded tensor, tensors to free at reshard); with ``out``: fill it, None
+
+``all_gather_outputs`` are the N gathered pieces of each input, ``(N * padded rows, *rest)``;
+the unsharded parameter is the returned tensor's first ``numel`` elements. The first unshard
+calls the post-hook without ``out``; later ones, after resharding freed the storage
+(Note [freeing with resize_]), give it back and pass ``out=unsharded_param`` so the very
+tensors autograd saved are refilled -- under ``_unsafe_preserve_version_counter`` (Note
+[version counter]), so a hook needs no care for that. The group moves such a group's
+buffer as raw bytes (``extensions.py``). Where ours is simpler than torch: ``self`` is
+this rank's *padded* shard (torch passes the unpadded local tensor and demands padded
+outputs), viewed as the parameter's type only for the call, so the DTensor, the optimizer
+and checkpoints see plain tensors and the type need survive no op (torchao's
+``_ops_to_preserve_subclass``); ``mesh`` is the shard group's 1-D mesh; and a group holding
+such a parameter cannot ``reshard_after_forward=k`` (torch: ``NotImplementedError`` too).
 """
 
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -73,6 +97,24 @@ def chunk_dim0(tensor: torch.Tensor, world_size: int) -> list[torch.Tensor]:
     """
     chunks = list(torch.chunk(tensor, world_size, dim=0))
     return chunks + [tensor.narrow(0, 0, 0)] * (world_size - len(chunks))
+
+
+def _extension_type(param: torch.Tensor, owners: Owners) -> type | None:
+    """The parameter's type if it defines the all-gather hooks (Note [all-gather extensions]),
+    else ``None``; a type with only one of them is refused, as torch does."""
+    pre, post = (hasattr(param, h) for h in ("fsdp_pre_all_gather", "fsdp_post_all_gather"))
+    if pre != post:
+        raise ValueError(f"{type(owners[0][0]).__name__}.{owners[0][1]} is a "
+                         f"{type(param).__name__}, which defines only "
+                         f"{'fsdp_pre_all_gather' if pre else 'fsdp_post_all_gather'}: an "
+                         "all-gather extension needs both hooks")
+    return type(param) if pre else None
+
+
+def _alloc_storage(t: torch.Tensor) -> None:
+    nbytes = t.numel() * t.element_size()
+    if t.untyped_storage().size() != nbytes:
+        t.untyped_storage().resize_(nbytes)
 
 
 def contiguous_stride(size: torch.Size) -> tuple[int, ...]:
@@ -112,6 +154,9 @@ class FSDPParam:
         if not param.is_contiguous():
             raise NotImplementedError("fully_shard needs contiguous parameters")
         info = mesh if isinstance(mesh, MeshInfo) else mesh_info(mesh)
+        self.extension = _extension_type(param, owners)  # Note [all-gather extensions]
+        # for errors, e.g. "Linear.weight" (taken now: fully_shard renames the class next)
+        self.name = f"{type(owners[0][0]).__name__}.{owners[0][1]}"
         self.owners, self.mesh, self.placements = owners, info.mesh, info.placements
         self.rank, self.world_size = info.shard_rank, info.shard_size  # the shard group's
         self.orig_size = param.shape
@@ -130,6 +175,7 @@ class FSDPParam:
         param._fsdp2_sharded = True  # a parent fully_shard must not shard it again
         self._unsharded_data: torch.Tensor | None = None  # allocated at the first unshard
         self.unsharded_param: nn.Parameter | None = None
+        self._unsharded_inner: tuple[torch.Tensor, ...] = ()  # an extension's, freed too
         # without sync, the unsharded gradient summed in reduce_dtype (Note [accumulating in
         # the reduce dtype])
         self.unsharded_accumulated_grad: torch.Tensor | None = None
@@ -139,6 +185,7 @@ class FSDPParam:
     def init_dtype_attrs(self, mp_policy: MixedPrecisionPolicy) -> None:
         """``orig_dtype`` (the shard's), ``param_dtype`` and ``reduce_dtype`` (``None``: no
         cast; ``mixed_precision.resolve_dtypes``). Run again at lazy init, as torch does."""
+        self.mp_policy = mp_policy
         self.orig_dtype = self.sharded_param.dtype
         self.param_dtype, self.reduce_dtype = resolve_dtypes(mp_policy, self.orig_dtype)
 
@@ -178,6 +225,48 @@ class FSDPParam:
         self._sharded_data = padded.view(-1)
         self.sharded_param._local_tensor = padded[: local.shape[0]]
         return self._sharded_data
+
+    # ---- all-gather extensions (Note [all-gather extensions]) -------------------------------
+
+    def pre_all_gather(self) -> tuple[list[torch.Tensor], Any]:
+        """Call the type's ``fsdp_pre_all_gather`` on this rank's padded shard. Returns the
+        tensors to all-gather, 1-D each, and the metadata for ``post_all_gather``."""
+        shard = self.all_gather_input().view(self.padded_sharded_size).as_subclass(self.extension)
+        mesh = self.mesh if self.mesh.ndim == 1 else self.mesh[self.mesh.mesh_dim_names[1]]
+        inputs, metadata = shard.fsdp_pre_all_gather(mesh, self.orig_size, self.orig_stride,
+                                                     self.owners[0][0], self.mp_policy)
+        bad = [tuple(t.shape) for t in inputs if t.shape != self.padded_sharded_size]
+        if not inputs or bad:
+            raise ValueError(f"{self.extension.__name__}.fsdp_pre_all_gather of {self.name} "
+                             f"returned tensors of shapes {bad or 'none'}; each must have the "
+                             f"padded shard's shape {tuple(self.padded_sharded_size)}")
+        self._ext_input_dtypes = [t.dtype for t in inputs]
+        return [t.reshape(-1) for t in inputs], metadata
+
+    def post_all_gather(self, outputs: list[torch.Tensor], metadata: Any) -> None:
+        """Rebuild the unsharded parameter from the gathered ``outputs`` (1-D each, ``N *
+        padded_shard_numel``) with the type's ``fsdp_post_all_gather``."""
+        shard = self._sharded_data.view(self.padded_sharded_size).as_subclass(self.extension)
+        outputs = tuple(t.view(-1, *self.padded_sharded_size[1:]) for t in outputs)
+        if self.unsharded_param is None:
+            unsharded, self._unsharded_inner = shard.fsdp_post_all_gather(
+                outputs, metadata, self.unsharded_dtype)
+            numel = math.prod(self.orig_size)
+            if not unsharded.is_contiguous() or unsharded.numel() < numel:
+                raise ValueError(f"{self.extension.__name__}.fsdp_post_all_gather of "
+                                 f"{self.name} returned a tensor of shape "
+                                 f"{tuple(unsharded.shape)}; it must be contiguous with at "
+                                 f"least {numel} elements")
+            self._unsharded_data = unsharded.view(-1)
+            view = self._unsharded_data[:numel].view(self.orig_size)
+            self.unsharded_param = nn.Parameter(view, self.sharded_param.requires_grad)
+            return
+        self.alloc_unsharded()  # the storage back
+        for t in self._unsharded_inner:
+            _alloc_storage(t)
+        with torch.autograd._unsafe_preserve_version_counter(self.unsharded_param):
+            shard.fsdp_post_all_gather(outputs, metadata, self.unsharded_dtype,
+                                       out=self.unsharded_param)
 
     def _owns(self, local: torch.Tensor) -> bool:
         """Is ``local`` a view of our padded shard (same device, same storage)?"""
@@ -223,6 +312,8 @@ class FSDPParam:
         """Give the unsharded buffer's bytes back; the tensor objects stay (size-0 storage)."""
         if self._unsharded_data is not None:
             self._unsharded_data.untyped_storage().resize_(0)
+        for t in self._unsharded_inner:  # an extension's (Note [all-gather extensions])
+            t.untyped_storage().resize_(0)
 
     def to_unsharded(self) -> None:
         """Register the (already all-gathered) unsharded parameter on its modules."""

@@ -56,7 +56,8 @@ they are parameters registered on the module). ``grads``: the reduce-scatter out
 sharded ``.grad`` DTensors are views of it -- and the unsharded gradients that autograd
 accumulates before the reduce-scatter (tagged in the post-accumulate-grad hook,
 ``fsdp_state.py``). ``comm``: the group's all-gather buffer and reduce-scatter input, which
-exist only around their collective. With mixed precision (``mixed_precision.py``) the same
+exist only around their collective (and an all-gather extension's gathered outputs, one
+parameter's at a time: ``extensions.py``). With mixed precision (``mixed_precision.py``) the same
 categories hold at other sizes: unsharded buffers, unsharded gradients and the all-gather
 buffer in ``param_dtype``, the reduce-scatter input in the reduce dtype; when that differs
 from the shards' dtype, the reduce-scatter output is ``comm`` too (it dies at once) and its
@@ -88,6 +89,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from minifsdp import comm
+from minifsdp.fsdp2.extensions import all_gather_copy_in_bytes, all_gather_copy_out_bytes
 from minifsdp.fsdp2.fsdp_param import FSDPParam, Owners
 from minifsdp.fsdp2.hsdp import mesh_info, post_forward_info
 from minifsdp.fsdp2.mixed_precision import MixedPrecisionPolicy, check_backend, group_dtypes
@@ -144,13 +146,17 @@ class FSDPParamGroup:
                  for p, owners in params]
         self.dtypes = group_dtypes(named, self.mp_policy, name)
         self.mesh_info = info = mesh_info(mesh)  # refuses other meshes (Note [HSDP])
+        self.name = name
+        # Note [all-gather extensions] (fsdp_param.py): such a group all-gathers bytes
+        self.extension_params = [f"{type(o[0][0]).__name__}.{o[0][1]} ({type(p).__name__})"
+                                 for p, o in params if hasattr(p, "fsdp_pre_all_gather")]
+        self.has_extensions = bool(self.extension_params)
         self.set_reshard_after_forward(reshard_after_forward)  # refuses a bad k
         check_backend(self.dtypes, info.shard_group, mesh.device_type, name)
         self.fsdp_params = [FSDPParam(p, owners, info, self.mp_policy) for p, owners in params]
         self.mesh, self.process_group = mesh, info.shard_group
         self.rank, self.world_size = info.shard_rank, info.shard_size
         self.replicate_group = info.replicate_group  # HSDP's all-reduce; None on a 1-D mesh
-        self.name = name
         self._post_forward_data: torch.Tensor | None = None  # SHARDED_POST_FORWARD's piece
         self.sharded_state = ShardedState.SHARDED
         self.training_state = TrainingState.IDLE
@@ -165,6 +171,13 @@ class FSDPParamGroup:
             self.reshard()  # its piece was cut for the old k
         self.reshard_after_forward, self.post_forward_ranks = post_forward_info(
             self.mesh_info, reshard_after_forward)
+        if self.has_extensions and self.post_forward_ranks is not None:
+            raise NotImplementedError(
+                f"fully_shard({self.name}): reshard_after_forward={reshard_after_forward} "
+                "keeps a piece of the unsharded parameters, but "
+                f"{', '.join(self.extension_params)} rebuild theirs from their own all-gather "
+                "outputs (Note [all-gather extensions]; torch refuses this too): pass True or "
+                "False, or shard those parameters in a fully_shard call of their own")
 
     def lazy_init(self, is_root: bool) -> None:
         """At the root's first forward: the root keeps its parameters after forward (backward
@@ -203,6 +216,10 @@ class FSDPParamGroup:
         if self.sharded_state is ShardedState.SHARDED_POST_FORWARD:  # over k ranks
             my_slot, gathered = self._post_forward_copy_in()
             group, world = self.post_forward_ranks.group, self.post_forward_ranks.size
+        elif self.has_extensions:  # a byte buffer (extensions.py)
+            my_slot, gathered, self._ext_layout = all_gather_copy_in_bytes(
+                self.fsdp_params, self.dtypes.gather, self.rank, self.world_size, self.name)
+            group, world = self.process_group, self.world_size
         else:
             # seam "fsdp2.all_gather_copy_in" (lab 07): the mixed-precision cast
             my_slot, gathered = self._all_gather_copy_in()
@@ -222,7 +239,11 @@ class FSDPParamGroup:
         work, gathered, world = self._in_flight
         if work is not None:
             work.wait()  # gloo: blocks until done; NCCL: makes the current stream wait
-        self._all_gather_copy_out(gathered, world)  # seam "fsdp2.all_gather_copy_out" (lab 05)
+        if self.has_extensions:  # never resharded to k ranks (set_reshard_after_forward)
+            all_gather_copy_out_bytes(self.fsdp_params, gathered, world, self._ext_layout,
+                                      self.name)
+        else:
+            self._all_gather_copy_out(gathered, world)  # seam "fsdp2.all_gather_copy_out" (lab 05)
         _free(gathered)
         self._post_forward_data = None
         for p in self.fsdp_params:

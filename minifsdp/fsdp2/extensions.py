@@ -1,0 +1,96 @@
+"""The all-gather of a group with extension parameters: one buffer of raw bytes (chapter 07).
+
+``FSDPParamGroup`` gathers a plain group through one buffer of one dtype (Note [copy-in and
+copy-out]). Once a parameter's type chooses its own all-gather inputs (Note [all-gather
+extensions] in ``fsdp_param.py``, e.g. float8 bytes from ``float8.py``), the inputs of one
+group have several dtypes, yet they must still travel in ONE collective -- the point of FSDP2's
+"FP8 all-gather mixed with other parameters". So the buffer becomes ``uint8`` and every input
+is copied in, and every output copied out, through a ``uint8`` view of it (torch does the
+same: ``_get_all_gather_input_metadatas`` switches the buffer to uint8 as soon as two dtypes
+mix, and ``foreach_all_gather_copy_out`` views the outputs as uint8). Views of the *inputs
+and outputs*, never of the buffer as another dtype: a bf16 piece at an odd byte offset would
+be misaligned. Byte layout, for a group of a Float8Weight W (padded shard w elements) and a
+bias b (padded shard c elements), param_dtype bf16::
+
+    rank r's slot:   [ W: w bytes (fp8) | b: 2c bytes (bf16) ]      S = w + 2c bytes
+    buffer:          [ slot 0 | slot 1 | ... | slot N-1 ]           N S bytes, rank-major
+
+so the wire carries W at 1 byte an element, a quarter of fp32 and half of bf16. gloo cannot
+move float8 at all (Note [gloo dtypes]); uint8 it can. Always bytes, even when every input
+of the group has one dtype (torch then gathers in that dtype, which fails on gloo for an
+all-float8 group): the same path in every case.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from minifsdp import comm
+from minifsdp.fsdp2.fsdp_param import FSDPParam
+from minifsdp.memory import tag
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """A ``uint8`` view of a contiguous tensor: ``element_size()`` bytes per element."""
+    return t.reshape(-1).view(torch.uint8)
+
+
+@torch.no_grad()
+def all_gather_copy_in_bytes(params: list[FSDPParam], gather_dtype: torch.dtype, rank: int,
+                             world_size: int, label: str,
+                             ) -> tuple[torch.Tensor, torch.Tensor, list]:
+    """Run each extension's pre-hook, cast the other parameters' padded shards to
+    ``gather_dtype``, and lay all their bytes into slot ``rank`` of a ``uint8`` buffer of
+    ``world_size`` slots. ``label``: the group's name, for tags. Returns ``(slot, buffer,
+    layout)``: ``layout[i] = (dtypes, byte sizes, metadata)`` of parameter i's inputs, for
+    the copy-out."""
+    inputs: list[torch.Tensor] = []
+    layout: list[tuple[list[torch.dtype], list[int], Any]] = []
+    for p in params:
+        if p.extension is not None:  # its collectives (Float8Weight's amax) tagged, e.g.
+            with comm.tagged(f"fsdp2 {p.extension.__name__} {label}"):  # "... blocks.0"
+                ts, metadata = p.pre_all_gather()
+        else:  # the mixed-precision cast (Note [mixed precision]), a slot-sized temporary
+            ts, metadata = [p.all_gather_input().to(gather_dtype)], None
+        inputs += ts
+        layout.append(([t.dtype for t in ts], [t.numel() * t.element_size() for t in ts],
+                       metadata))
+    sizes = [t.numel() * t.element_size() for t in inputs]
+    gathered = inputs[0].new_empty(world_size * sum(sizes), dtype=torch.uint8)
+    tag(gathered, "comm", label="all-gather buffers")
+    my_slot = gathered.narrow(0, rank * sum(sizes), sum(sizes))
+    for dst, src in zip(my_slot.split(sizes), inputs):
+        dst.copy_(_bytes(src))
+    return my_slot, gathered, layout
+
+
+@torch.no_grad()
+def all_gather_copy_out_bytes(params: list[FSDPParam], gathered: torch.Tensor,
+                              world_size: int, layout: list, label: str) -> None:
+    """Copy each parameter's ``world_size`` pieces out of the rank-major byte buffer: a plain
+    parameter's straight into its unsharded buffer (under the version-counter guard, Note
+    [version counter]); an extension's into fresh outputs that its post-hook turns into the
+    unsharded parameter and that are freed right after -- one parameter's at a time."""
+    rows = gathered.view(world_size, -1)  # row r: rank r's slot
+    offset = 0
+    for p, (dtypes, nbytes, metadata) in zip(params, layout):
+        if p.extension is None:
+            buf = p.alloc_unsharded()
+            tag(buf, "params", label=label)
+            with torch.autograd._unsafe_preserve_version_counter(buf):
+                _bytes(buf).view(world_size, -1).copy_(rows[:, offset: offset + nbytes[0]])
+            offset += nbytes[0]
+            continue
+        outputs = []
+        for dtype, n in zip(dtypes, nbytes):
+            out = torch.empty(world_size * n, dtype=torch.uint8, device=gathered.device)
+            tag(out, "comm", label="all-gather buffers")
+            out.view(world_size, -1).copy_(rows[:, offset: offset + n])
+            outputs.append(out.view(dtype))
+            offset += n
+        p.post_all_gather(outputs, metadata)
+        tag(p._unsharded_data, "params", label=label)
+        for out in outputs:
+            out.untyped_storage().resize_(0)  # as the group buffer (``_free``)
