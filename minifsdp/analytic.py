@@ -152,10 +152,11 @@ def cnn_activation_bytes(batch: int, dropout: float = 0.0) -> int:
     return sum(int(x) for x in saved)
 
 
-def gpt_activation_bytes(batch: int, cfg: GPTConfig, seq_len: int | None = None) -> int:
-    """Bytes autograd saves for backward in ``GPT`` (train mode) plus ``F.cross_entropy``.
-
-    ``B, T, C, V, H`` = batch, sequence length, d_model, vocab, heads; fp32 on CPU.
+def gpt_block_activation_bytes(batch: int, cfg: GPTConfig, seq_len: int | None = None,
+                               activation_checkpointing: bool = False) -> int:
+    """Bytes autograd saves for backward in one ``Block`` of a ``GPT`` (train mode), its
+    input included; without (``16BTC + 2 * 2BT + BHT``) or with activation checkpointing
+    (``4BTC + 2 * 2BT``). ``B, T, C, H`` = batch, sequence length, d_model, heads; fp32.
 
     Note [what attention saves on CPU]: with ``dropout == 0`` torch 2.14 runs SDPA with its
     fused CPU flash-attention kernel, which saves q, k, v (views of the qkv projection's
@@ -165,13 +166,24 @@ def gpt_activation_bytes(batch: int, cfg: GPTConfig, seq_len: int | None = None)
     it falls back to the math path, which materializes and saves ``T x T`` matrices three
     times (softmax output, dropout mask, dropped weights) plus copies of q, k, v.
 
+    Note [what a checkpointed block saves]: ``apply_activation_checkpointing`` runs ``attn``
+    and ``mlp`` under a non-reentrant ``checkpoint``, which saves each region's input ``h``
+    for backward (with an autograd function of its own, so it is saved like any other
+    tensor) and hides everything the region's ops save. What the block still saves lies
+    outside the regions: ln1's input and stats, attn's input (ln1's output), ln2's input and
+    stats, mlp's input (ln2's output) -- ``4BTC + 2 * 2BT``, with or without dropout. The
+    regions' own saved tensors come back in backward, one region at a time, when the
+    recomputation runs the region's forward again (``gpt_recompute_bytes``).
+
     Example:
-        >>> gpt_activation_bytes(8, GPTConfig())  # vocab 64, T 64, C 64, 2 layers
-        4633092
+        >>> cfg = GPTConfig()  # T 64, C 64, H 4
+        >>> gpt_block_activation_bytes(8, cfg), gpt_block_activation_bytes(8, cfg, None, True)
+        (2113536, 532480)
     """
-    b, t, c = batch, seq_len or cfg.seq_len, cfg.d_model
-    v, h = cfg.vocab_size, cfg.n_head
+    b, t, c, h = batch, seq_len or cfg.seq_len, cfg.d_model, cfg.n_head
     btc, ln_stats = b * t * c * F32, 2 * b * t * F32  # LayerNorm saves mean and rstd, fp32
+    if activation_checkpointing:  # Note [what a checkpointed block saves]
+        return btc + ln_stats + btc + btc + ln_stats + btc  # ln1, attn's input, ln2, mlp's
     per_block = [
         btc + ln_stats,  # ln1 saves its input x (the residual stream) and its stats
         btc,  # qkv (Linear) saves its input, ln1's output
@@ -184,10 +196,30 @@ def gpt_activation_bytes(batch: int, cfg: GPTConfig, seq_len: int | None = None)
         per_block += [3 * btc, btc, b * h * t * F32]  # qkv output, attention output, lse
     else:  # the math path: q*scale, k^T, v copies and the output; 3 TxT; mlp's fp32 mask
         per_block += [4 * btc, 3 * b * h * t * t * F32, btc]
+    return sum(per_block)
+
+
+def gpt_activation_bytes(batch: int, cfg: GPTConfig, seq_len: int | None = None,
+                         activation_checkpointing: bool = False) -> int:
+    """Bytes autograd saves for backward in ``GPT`` (train mode) plus ``F.cross_entropy``.
+
+    ``B, T, C, V`` = batch, sequence length, d_model, vocab; fp32 on CPU. The blocks'
+    share is ``gpt_block_activation_bytes`` each; with ``activation_checkpointing`` only
+    that share changes (Note [what a checkpointed block saves]).
+
+    Example:
+        >>> gpt_activation_bytes(8, GPTConfig())  # vocab 64, T 64, C 64, 2 layers
+        4633092
+        >>> gpt_activation_bytes(8, GPTConfig(), activation_checkpointing=True)
+        1470980
+    """
+    b, t, c, v = batch, seq_len or cfg.seq_len, cfg.d_model, cfg.vocab_size
+    btc, ln_stats = b * t * c * F32, 2 * b * t * F32
+    per_block = gpt_block_activation_bytes(batch, cfg, seq_len, activation_checkpointing)
     return sum(
         [
             b * t * I64 + t * I64,  # the embeddings save their indices: token ids and positions
-            cfg.n_layer * sum(per_block),
+            cfg.n_layer * per_block,
             btc + ln_stats,  # ln_f saves its input and stats
             btc,  # head saves its input, ln_f's output
             b * t * v * F32,  # cross_entropy = log_softmax (saves its output) ...
@@ -196,19 +228,48 @@ def gpt_activation_bytes(batch: int, cfg: GPTConfig, seq_len: int | None = None)
     )
 
 
+def gpt_recompute_bytes(batch: int, cfg: GPTConfig, seq_len: int | None = None
+                        ) -> dict[str, int]:
+    """Bytes one checkpointed region re-creates in backward, by region (Note [what a
+    checkpointed block saves]): what its ops save beyond the region's input, which the
+    checkpoint kept. They live from the recomputation to the end of that region's backward,
+    one region at a time, on top of ``gpt_activation_bytes(..., activation_checkpointing=True)``.
+
+    ``attn``: the qkv output ``3BTC``, the attention output ``BTC``, the logsumexp ``BHT``
+    (dropout 0: the flash path); ``mlp``: gelu's input and output, ``4BTC`` each. The
+    recomputation stops once these exist, before each region's ``proj`` (Note [early stop]
+    in ``minifsdp/models.py``).
+
+    Example:
+        >>> gpt_recompute_bytes(8, GPTConfig())  # B 8, T 64, C 64, H 4
+        {'attn': 532480, 'mlp': 1048576}
+    """
+    if cfg.dropout != 0:
+        raise NotImplementedError("GPT with dropout: SDPA's math path; measure it instead")
+    b, t, c = batch, seq_len or cfg.seq_len, cfg.d_model
+    btc = b * t * c * F32
+    return {"attn": 3 * btc + btc + b * cfg.n_head * t * F32, "mlp": 4 * btc + 4 * btc}
+
+
 def activation_bytes(
-    model: nn.Module | str, batch: int, seq_len: int | None = None, **model_kwargs
+    model: nn.Module | str, batch: int, seq_len: int | None = None,
+    activation_checkpointing: bool = False, **model_kwargs
 ) -> int:
-    """Saved-for-backward bytes of ``MnistCNN`` or ``GPT`` (a module, or "cnn"/"gpt" + kwargs).
+    """Saved-for-backward bytes of ``MnistCNN`` or ``GPT`` (a module, or "cnn"/"gpt" + kwargs),
+    the GPT's optionally with its blocks checkpointed.
 
     Example:
         >>> activation_bytes("gpt", 8, n_layer=2) == gpt_activation_bytes(8, GPTConfig())
         True
+        >>> activation_bytes("gpt", 8, activation_checkpointing=True, n_layer=2)
+        1470980
     """
     model = _meta_model(model, **model_kwargs)
     if isinstance(model, MnistCNN):
+        if activation_checkpointing:
+            raise ValueError("activation checkpointing is defined for the GPT's blocks only")
         return cnn_activation_bytes(batch, model.dropout1.p)
-    return gpt_activation_bytes(batch, model.cfg, seq_len)
+    return gpt_activation_bytes(batch, model.cfg, seq_len, activation_checkpointing)
 
 
 # ---- the peak of a training step -----------------------------------------------------------

@@ -15,25 +15,36 @@ the models with ``dropout=0.0``. Nothing else in these models is random after in
 Note [activation checkpointing]: ``apply_activation_checkpointing(gpt)`` runs each block's
 ``attn`` and ``mlp`` under ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)``.
 Forward then keeps, of each region, only its input (the LayerNorm's output, which the
-checkpoint holds); the tensors the region's ops would save (q, k, v, the attention output,
-the 4C-wide MLP hidden, dropout masks, ...) are dropped and recomputed by re-running the
-region's forward when backward first needs one. The price is one more forward of attn and
-mlp per step; the saving is most of a block's activations (tests/test_fsdp2_hsdp.py
-measures both peaks). It replaces the *instance's* ``forward`` -- no wrapper module, so
+checkpoint holds); the tensors the region's ops would save (q, k, v, the attention output, the
+4C-wide MLP hidden, dropout masks, ...) are dropped and recomputed by re-running the region's
+forward when backward first needs one. The saving is most of a block's activations:
+``16BTC + 4BT + BHT`` saved bytes become ``4BTC + 4BT`` (fp32; Note [what a checkpointed block
+saves] in ``minifsdp/analytic.py``). The price is a second forward of each region, minus its
+last matmul (Note [early stop]). It replaces the *instance's* ``forward`` -- no wrapper module, so
 parameter names and state-dict keys are unchanged (torch's ``checkpoint_wrapper`` would add
 ``_checkpoint_wrapped_module.``). Dropout still matches bit for bit: the checkpoint saves the
 RNG state at the region's forward and replays it, in a forked RNG, for the recomputation.
 
 Why the regions sit strictly *inside* a Block, FSDP's unit: the recomputation calls the
-region's forward function, not ``Block.__call__``, so none of FSDP's module hooks -- all on
-the Block and the root -- run again inside backward. The Block's pre-backward hook (on its
-output) has already all-gathered its parameters before any of its backward nodes runs, and
-the recomputed ops read the parameters registered on the modules right then: the same
-unsharded tensors that forward used. Checkpointing a *whole* unit (``checkpoint(block, x)``)
+region's forward function, not ``Block.__call__``, so none of FSDP's module hooks -- all on the
+Block and the root -- run again inside backward. The Block's pre-backward hook (on its output)
+has already all-gathered its parameters before any of its backward nodes runs, and the
+recomputed ops read the parameters registered on the modules right then: the same unsharded
+tensors that forward used. So checkpointing costs no collective: with ``reshard_after_forward``
+the pre-backward all-gather, which the gradients need anyway, serves the recomputation too;
+without it the parameters never left. Checkpointing a *whole* unit (``checkpoint(block, x)``)
 re-runs ``Block.__call__`` in backward, i.e. FSDP's forward hooks: minifsdp's fsdp2 then only
 makes sure the parameters are unsharded (Note [recomputed in backward] in
 ``fsdp2/fsdp_state.py``, tested against torch's), and minifsdp's fsdp1 refuses with a clear
-error.
+error (its regions-inside-units runs bit for bit like fsdp2's:
+``tests/test_activation_checkpointing.py``).
+
+Note [early stop]: the recomputation stops as soon as every tensor the region saved is back
+(torch's default, ``torch.utils.checkpoint.set_checkpoint_early_stop(True)``). An op saves
+its *inputs* before its kernel runs, so the region's last op -- ``proj`` in attn and in mlp,
+which saves only its input and weight -- is never re-run: per block, the recomputation costs
+the qkv and fc matmuls (``2BT * 7C^2`` FLOPs), attention and gelu, not the two ``proj``
+matmuls (``2BT * 5C^2``). FLOP-counted in ``tests/test_activation_checkpointing.py``.
 """
 
 from __future__ import annotations
