@@ -121,6 +121,7 @@ class FlatParameter(nn.Parameter):
     rank: int
     world_size: int
     sharded: bool
+    frozen_slices: list[tuple[int, int]]  # Note [frozen parameters] in minifsdp.fsdp1_options
 
 
 def flat_layout(numels: list[int], world_size: int, align: int = 1) -> tuple[list[int], int]:
@@ -175,7 +176,9 @@ class FlatParamHandle:
     Args:
         params: ``(fqn, module, name, parameter)`` for every name under which a parameter of the
             unit is registered, in the order of Note [flat layout]; a parameter listed twice is
-            tied. They must share dtype and device, require grad, and not be on ``meta``.
+            tied. They must share dtype and device and not be on ``meta``; some may be frozen
+            (``requires_grad=False``: Note [frozen parameters] in
+            ``minifsdp.fsdp1_options``).
         rank, world_size: this rank's place in ``process_group``.
         sharded: False for NO_SHARD: the "shard" is the whole padded flat tensor.
         device: the compute device (default: the parameters'); ``unsharded`` lives there.
@@ -197,7 +200,7 @@ class FlatParamHandle:
 
     def __init__(self, params: list[Named], rank: int, world_size: int, *, sharded: bool = True,
                  device: torch.device | None = None, offload: bool = False,
-                 process_group=None, label: str = ""):
+                 process_group=None, label: str = "", param_dtype: torch.dtype | None = None):
         if not params:
             raise ValueError("FlatParamHandle needs at least one parameter")
         primary: dict[int, int] = {}  # id(parameter) -> index in self.infos
@@ -206,10 +209,6 @@ class FlatParamHandle:
             if p.device.type == "meta":
                 raise ValueError(f"parameter {fqn!r} is on the meta device: materialize the module "
                                  "first (module.to_empty(device=...), then initialize it)")
-            if not p.requires_grad:
-                raise ValueError(f"parameter {fqn!r} does not require grad: a FlatParameter has "
-                                 "one requires_grad for the whole unit (frozen parameters would "
-                                 "need a unit of their own, which this FSDP1 does not support)")
             if id(p) not in primary:
                 primary[id(p)] = len(unique)
                 unique.append(p)
@@ -221,6 +220,10 @@ class FlatParamHandle:
         self.device = torch.device(device) if device is not None else unique[0].device
         self.rank, self.world_size, self.sharded = rank, world_size, sharded
         self.offload, self.process_group, self.label = offload, process_group, label
+        # Note [mixed precision] in minifsdp.fsdp1_options: the shard keeps ``dtype``; the
+        # unsharded flat tensor (what forward and backward use) is in ``compute_dtype``
+        self.compute_dtype = param_dtype if param_dtype is not None else dtype
+        self.mixed = self.compute_dtype != dtype
         offsets, self.padded_numel = flat_layout([p.numel() for p in unique], world_size,
                                                  max(1, ALIGN_BYTES // dtype.itemsize))
         self.infos: list[ParamInfo] = []
@@ -242,16 +245,23 @@ class FlatParamHandle:
         # seam "flat_param.shard" (lab 04), like "flat_param.layout" (flat_layout above)
         shard = rank_shard(full, rank, world_size) if sharded else full
         shard = shard.to("cpu", copy=True) if offload else shard.clone() if sharded else shard
-        self.flat_param = FlatParameter(shard)
+        frozen = [not p.requires_grad for p in unique]
+        self.flat_param = FlatParameter(shard, requires_grad=not all(frozen))
         fp = self.flat_param
         fp.infos, fp.shared, fp.padded_numel = self.infos, self.shared, self.padded_numel
         fp.rank, fp.world_size, fp.sharded = rank, world_size, sharded
+        # this rank's (start, end) in flat_param of each frozen parameter's elements
+        fp.frozen_slices = [sl for info, f in zip(self.infos, frozen) if f
+                            for sl in [self.local_slice(info)] if sl is not None]
 
-        # Note [two tensors, one storage]. NO_SHARD without offload computes on the flat
-        # parameter's own storage: nothing to gather, nothing to free.
-        self._owns_buffer = sharded or offload
-        self._buffer = full if self._owns_buffer else fp.data
-        self.unsharded = torch.empty(0, dtype=dtype, device=self.device).requires_grad_()
+        # Note [two tensors, one storage]. NO_SHARD without offload or mixed precision computes
+        # on the flat parameter's own storage: nothing to gather, nothing to free.
+        self._owns_buffer = sharded or offload or self.mixed
+        self._buffer = fp.data if not self._owns_buffer else (
+            full.to(self.compute_dtype) if self.mixed else full)
+        self._full_precision = False  # unsharded in the shard's dtype (summon_full_params)
+        self.unsharded = torch.empty(0, dtype=self.compute_dtype, device=self.device
+                                     ).requires_grad_(fp.requires_grad)
         self.unsharded.data = self._buffer
         self.is_unsharded = True
         self._split_sizes, self._chunk_of = [], []  # split of unsharded: gaps, params, tail
@@ -274,6 +284,14 @@ class FlatParamHandle:
         sharded)."""
         return self.padded_numel // self.world_size if self.sharded else self.padded_numel
 
+    def local_slice(self, info: ParamInfo) -> tuple[int, int] | None:
+        """``(start, end)`` of ``info``'s elements within this rank's ``flat_param`` (None if
+        it has none here): the part of the parameter this rank owns and steps."""
+        base = self.rank * self.shard_numel if self.sharded else 0
+        lo = max(info.offset, base)
+        hi = min(info.offset + info.numel, base + self.shard_numel)
+        return (lo - base, hi - base) if hi > lo else None
+
     # ---- unshard / reshard ------------------------------------------------------------------
 
     def unshard(self, tag_: str | None = None) -> None:
@@ -285,15 +303,45 @@ class FlatParamHandle:
         self._buffer.untyped_storage().resize_(self._buffer.numel() * self._buffer.element_size())
         tag(self._buffer, "params")  # Note [memory categories] in minifsdp.fsdp1
         with torch.no_grad():
-            if not self.sharded:  # NO_SHARD + offload: the host -> device copy is the unshard
-                self._buffer.copy_(self.flat_param)
-            else:
-                shard = self.flat_param.detach()
-                if self.offload:  # Note [CPU offload] in minifsdp.fsdp1
-                    shard = shard.to(self.device, copy=True)
-                    tag(shard, "comm")
-                comm.all_gather_into_tensor(self._buffer, shard, self.process_group, tag=tag_)
+            self._gather_into(self._buffer, tag_)
         self.is_unsharded = True
+
+    def _gather_into(self, out: torch.Tensor, tag_: str | None) -> None:
+        if not self.sharded:  # NO_SHARD + offload / mixed precision: a copy (and cast)
+            out.copy_(self.flat_param)
+            return
+        shard = self.flat_param.detach()
+        if self.offload:  # Note [CPU offload] in minifsdp.fsdp1
+            shard = shard.to(self.device, copy=True)
+            tag(shard, "comm")
+        if shard.dtype != out.dtype:  # Note [mixed precision]: cast the shard, gather 1/2
+            shard = shard.to(out.dtype)
+            tag(shard, "comm")
+        comm.all_gather_into_tensor(out, shard, self.process_group, tag=tag_)
+
+    @torch.no_grad()
+    def unshard_full_precision(self, tag_: str | None = None) -> None:
+        """Unshard in the shard's own dtype (fp32 under mixed precision), as torch FSDP1's
+        ``summon_full_params`` does: its writes can go back to the shard without rounding.
+        Undo with ``end_full_precision()``. Without mixed precision: ``unshard()``."""
+        if not self.mixed:
+            return self.unshard(tag_)
+        self.reshard()  # a low-precision copy would be stale after writes to the fp32 one
+        if self.sharded or self.offload:
+            full = torch.empty(self.padded_numel, dtype=self.flat_param.dtype, device=self.device)
+            tag(full, "params")
+            self._gather_into(full, tag_)
+        else:  # NO_SHARD: the flat parameter is the full one
+            full = self.flat_param.detach()
+        self.unsharded.data = full
+        self._full_precision = self.is_unsharded = True
+
+    def end_full_precision(self) -> None:
+        """Back from ``unshard_full_precision()`` under mixed precision: drop the
+        full-precision copy; the low-precision one is gathered again when next needed."""
+        if self._full_precision:
+            self.unsharded.data = self._buffer  # its storage is free (reshard above)
+            self._full_precision = self.is_unsharded = False
 
     def reshard(self) -> None:  # seam "flat_param.reshard" (lab 04)
         """Free the unsharded storage (Note [freeing storage]); views keep their shapes. A no-op
@@ -306,9 +354,10 @@ class FlatParamHandle:
     def write_back(self) -> None:
         """Copy this rank's slice of the unsharded tensor into the shard (after writing to the
         unsharded parameters, e.g. in ``summon_full_params``)."""
-        if self._owns_buffer:
+        src = self.unsharded.detach()
+        if self._owns_buffer and src.data_ptr() != self.flat_param.data_ptr():
             r, s = self.rank if self.sharded else 0, self.shard_numel
-            self.flat_param.copy_(self._buffer[r * s:(r + 1) * s])
+            self.flat_param.copy_(src[r * s:(r + 1) * s])
 
     # ---- views ------------------------------------------------------------------------------
 

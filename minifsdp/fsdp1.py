@@ -11,6 +11,11 @@ ZeRO-3 (Rajbhandari et al. 2020) as PyTorch built it (Zhao et al. 2023). Per ran
 params 4 Psi / N plus the units being computed, grads 4 Psi / N plus up to two units', optimizer
 state 8 Psi / N; per step all-gather twice and reduce-scatter once, 3(N-1)/N S (S = 4 Psi).
 
+The knobs of torch FSDP1's config files, under its names: ``mixed_precision=MixedPrecision(...)``,
+``backward_prefetch=BackwardPrefetch.BACKWARD_PRE``, ``forward_prefetch=True``, ``model.no_sync()``,
+``model.clip_grad_norm_(1.0)`` and frozen parameters inside a unit; their Notes are in
+``minifsdp.fsdp1_options`` and ``minifsdp.fsdp1_grads``.
+
 Note [units]: a unit is a module whose parameters (those not in a unit below it) form one
 FlatParameter. ``auto_wrap_policy`` picks units bottom-up, as torch's ``_recursive_wrap``; each
 becomes a nested ``FullyShardedDataParallel`` in its parent's place, and the instance the user
@@ -86,19 +91,24 @@ already flattened by another unit is an error.
 from __future__ import annotations
 
 import contextlib
-import enum
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.autograd import Variable
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_map
 
 from minifsdp import comm
 from minifsdp.flat_param import FlatParameter, FlatParamHandle, registered_params
+from minifsdp.fsdp1_grads import clip_grad_norm, install_frozen_hooks
+from minifsdp.fsdp1_options import (  # noqa: F401 (re-exported: torch's names live in its fsdp)
+    BackwardPrefetch,
+    CPUOffload,
+    MixedPrecision,
+    ShardingStrategy,
+)
 from minifsdp.memory import tag
 from minifsdp.wrap import (  # noqa: F401 (the policies are re-exported)
     Policy,
@@ -110,32 +120,6 @@ from minifsdp.wrap import (  # noqa: F401 (the policies are re-exported)
 
 WRAPPED = "_fsdp_wrapped_module"  # the wrapped module's attribute, as in torch
 FINAL_SPAN = "fsdp1 final callback"  # the comm log's compute span of the final callback
-
-
-class ShardingStrategy(enum.Enum):
-    """Note [sharding strategies]. ``ShardingStrategy.parse("shard_grad_op")`` also accepts
-    names."""
-
-    FULL_SHARD = "full_shard"
-    SHARD_GRAD_OP = "shard_grad_op"
-    NO_SHARD = "no_shard"
-
-    @classmethod
-    def parse(cls, value: ShardingStrategy | str) -> ShardingStrategy:
-        if isinstance(value, cls):
-            return value
-        try:
-            return cls(str(value).lower())
-        except ValueError:
-            raise ValueError(f"unknown sharding strategy {value!r}; choose from "
-                             f"{[s.value for s in cls]}") from None
-
-
-@dataclass(frozen=True)
-class CPUOffload:
-    """Keep the sharded parameters and their gradients in host memory (Note [CPU offload])."""
-
-    offload_params: bool = False
 
 
 def gradient_divide_factors(world_size: int) -> tuple[float, float]:
@@ -162,6 +146,12 @@ class FullyShardedDataParallel(nn.Module):
         auto_wrap_policy: picks the units inside ``module`` (Note [units]); None: one unit.
         device_id: the compute device (default: the parameters'); the module is moved there.
         sync_module_states: broadcast rank 0's parameters and buffers first.
+        backward_prefetch: None (default), ``BackwardPrefetch.BACKWARD_PRE`` (torch's
+            default) or ``BACKWARD_POST`` (Note [backward prefetch] in ``minifsdp.fsdp1_options``).
+        mixed_precision: ``MixedPrecision(param_dtype, reduce_dtype, buffer_dtype)`` (Note
+            [mixed precision]); None: compute and reduce in the parameters' dtype.
+        forward_prefetch: gather the next unit during this one's forward (Note [forward
+            prefetch]).
 
     Shapes: whatever ``module`` takes and returns. ``parameters()``: one ``FlatParameter`` of
     shape ``(padded_numel / N,)`` per unit; after ``loss.backward()`` its ``.grad`` holds this
@@ -180,6 +170,8 @@ class FullyShardedDataParallel(nn.Module):
                  sharding_strategy: ShardingStrategy | str = ShardingStrategy.FULL_SHARD,
                  cpu_offload: CPUOffload | None = None, auto_wrap_policy: Policy | None = None,
                  device_id: torch.device | str | None = None, sync_module_states: bool = False,
+                 backward_prefetch: BackwardPrefetch | str | None = None,
+                 mixed_precision: MixedPrecision | None = None, forward_prefetch: bool = False,
                  *, _nested: bool = False, _params: set[int] | None = None, _name: str = ""):
         super().__init__()
         if isinstance(module, FullyShardedDataParallel) or _is_unit(module):
@@ -197,6 +189,11 @@ class FullyShardedDataParallel(nn.Module):
         offload = cpu_offload if cpu_offload is not None else CPUOffload()
         if not isinstance(offload, CPUOffload):
             raise ValueError(f"cpu_offload must be a CPUOffload, got {cpu_offload!r}")
+        mp = mixed_precision if mixed_precision is not None else MixedPrecision()
+        if not isinstance(mp, MixedPrecision):
+            raise ValueError("mixed_precision must be a MixedPrecision (minifsdp.fsdp1), got "
+                             f"{mixed_precision!r}")
+        prefetch = BackwardPrefetch.parse(backward_prefetch)
         if auto_wrap_policy is not None and not callable(auto_wrap_policy):
             raise ValueError(f"auto_wrap_policy must be callable, got {auto_wrap_policy!r}")
         for fqn, p in module.named_parameters():
@@ -214,23 +211,40 @@ class FullyShardedDataParallel(nn.Module):
         if auto_wrap_policy is not None:
             _params = _auto_wrap(module, auto_wrap_policy, dict(
                 process_group=process_group, sharding_strategy=self._strategy,
-                cpu_offload=offload, device_id=device_id))
+                cpu_offload=offload, device_id=device_id, mixed_precision=mp))
         setattr(self, WRAPPED, module)
         module._minifsdp_unit = _name or "(root)"
-        named = _unit_params(module, _params)
+        named = _unit_params(module, _params, _name)
         device = torch.device(device_id) if device_id is not None else (
             named[0][3].device if named else None)
+        self._mp = mp
+        param_dtype, self._reduce_dtype = mp.dtypes_for(named[0][3].dtype) if named else (
+            None, None)
         self._handle = FlatParamHandle(
             named, rank, world, sharded=self._strategy is not ShardingStrategy.NO_SHARD,
             device=device, offload=self._offload, process_group=process_group,
-            label=_name or type(module).__name__) if named else None
+            label=_name or type(module).__name__, param_dtype=param_dtype) if named else None
         if self._handle is not None:
             self.flat_param = self._handle.flat_param
-            self._handle.unsharded.register_post_accumulate_grad_hook(self._post_backward)
+            if self.flat_param.requires_grad:  # else every parameter of the unit is frozen
+                self._handle.unsharded.register_post_accumulate_grad_hook(self._post_backward)
+            if self.flat_param.frozen_slices:
+                install_frozen_hooks()
         self._is_root, self._name = not _nested, _name or "(root)"
         self.__dict__["_root"] = self  # not a submodule: nn.Module would register it as one
         self._ran_pre_backward = False
+        # Note [backward prefetch], Note [forward prefetch]: this iteration's post-forward
+        # index, the first iteration's pre-forward index, and what is still to be gathered
+        self._post_fwd_index: int | None = None
+        self._pre_fwd_index: int | None = None
+        self._needs_bwd_unshard = self._needs_fwd_unshard = self._prefetched = False
         if not _nested:  # this instance is the root: every unit below reports to it
+            self._backward_prefetch, self._forward_prefetch = prefetch, bool(forward_prefetch)
+            self._pre_fwd_order: list[FullyShardedDataParallel] = []
+            self._post_fwd_order: list[FullyShardedDataParallel] = []
+            self._iteration = 0  # backwards finished: forward prefetch starts at 1
+            self._sync_gradients = True  # Note [no_sync]
+            self._buffer_dtypes: dict[str, torch.dtype] | None = None  # cast at first forward
             self._units = [m for m in self.modules() if isinstance(m, FullyShardedDataParallel)]
             for name, unit in self.named_modules():
                 if isinstance(unit, FullyShardedDataParallel):
@@ -248,23 +262,60 @@ class FullyShardedDataParallel(nn.Module):
                 "checkpointing of a whole unit is not supported by minifsdp's FSDP1. Checkpoint "
                 "regions inside the unit (minifsdp.models.apply_activation_checkpointing), or "
                 "use minifsdp.fsdp2 (Note [recomputed in backward] in fsdp2/fsdp_state.py)")
-        h = self._handle
+        root, h = self._root, self._handle
+        if self._is_root:
+            args, kwargs = self._root_pre_forward(args, kwargs)
         if h is not None:
-            h.unshard(f"{self._name} forward")
-            h.use_unsharded_views()
+            if root._iteration == 0 and self._pre_fwd_index is None:  # Note [forward prefetch]
+                self._pre_fwd_index = len(root._pre_fwd_order)
+                root._pre_fwd_order.append(self)
+            if not (self._prefetched and h.is_unsharded):  # Note [forward prefetch]
+                h.unshard(f"{self._name} forward")
+                h.use_unsharded_views()
+            self._needs_fwd_unshard = self._prefetched = False
+            if root._forward_prefetch and self._pre_fwd_index is not None:
+                nxt = self._pre_fwd_index + 1
+                if nxt < len(root._pre_fwd_order) and root._pre_fwd_order[nxt]._needs_fwd_unshard:
+                    unit = root._pre_fwd_order[nxt]
+                    unit._handle.unshard(f"{unit._name} forward prefetch")
+                    unit._handle.use_unsharded_views()
+                    unit._prefetched = True
         out = getattr(self, WRAPPED)(*args, **kwargs)
         if h is not None:
+            if self._post_fwd_index is None:  # Note [backward prefetch]
+                self._post_fwd_index = len(root._post_fwd_order)
+                root._post_fwd_order.append(self)
             if not torch.is_grad_enabled():
                 h.reshard()  # no backward will come
             else:
                 grads = [t for t in tree_flatten(out)[0]
                          if isinstance(t, torch.Tensor) and t.requires_grad]
+                self._ran_pre_backward, self._needs_bwd_unshard = False, bool(grads)
                 if grads:  # Note [pre-backward hook]
                     torch.autograd.graph.register_multi_grad_hook(grads, self._pre_backward,
                                                                   mode="any")
                 if self._strategy is ShardingStrategy.FULL_SHARD and not self._is_root:
                     h.reshard()
         return out
+
+    def _root_pre_forward(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """(root) Note [mixed precision]: cast the buffers once and the floating inputs to
+        ``param_dtype``; Note [forward prefetch]: every unit is yet to be gathered."""
+        mp = self._mp
+        if self._buffer_dtypes is None:
+            self._buffer_dtypes = {}
+            for name, b in getattr(self, WRAPPED).named_buffers():
+                self._buffer_dtypes[_clean(name)] = b.dtype
+                if mp.buffer_dtype is not None and b.is_floating_point():
+                    b.data = b.to(mp.buffer_dtype)
+        for unit in self._units:
+            unit._needs_fwd_unshard = self._forward_prefetch
+        if mp.param_dtype is None:
+            return args, kwargs
+        cast = lambda t: (t.to(mp.param_dtype) if isinstance(t, torch.Tensor)
+                          and t.is_floating_point() else t)
+        return (tuple(tree_map(cast, list(args))),
+                tree_map(cast, kwargs))
 
     # ---- backward ---------------------------------------------------------------------------
 
@@ -275,15 +326,37 @@ class FullyShardedDataParallel(nn.Module):
             Variable._execution_engine.queue_callback(root._finalize_backward)
         if not self._ran_pre_backward:
             self._ran_pre_backward = True
-            self._handle.unshard(f"{self._name} backward")
+            if self._needs_bwd_unshard:
+                self._handle.unshard(f"{self._name} backward")
+            self._needs_bwd_unshard = False
+            if root._backward_prefetch is BackwardPrefetch.BACKWARD_PRE:
+                self._prefetch_backward()
+
+    def _prefetch_backward(self) -> None:
+        """Note [backward prefetch]: gather the unit that finished its forward just before this
+        one, if its backward is still to come."""
+        order, i = self._root._post_fwd_order, self._post_fwd_index
+        if i is not None and i > 0 and order[i - 1]._needs_bwd_unshard:
+            unit = order[i - 1]
+            unit._handle.unshard(f"{unit._name} backward prefetch")
 
     @torch.no_grad()
     def _post_backward(self, unsharded: torch.Tensor) -> None:
         """Note [post-backward hook]: ``unsharded.grad`` (padded_numel,) is final."""
+        root = self._root
+        if root._sync_gradients or self._strategy is ShardingStrategy.FULL_SHARD:
+            self._handle.reshard()  # nothing needs the parameters any more (Note [no_sync])
+        if root._backward_prefetch is BackwardPrefetch.BACKWARD_POST:
+            self._prefetch_backward()
+        if not root._sync_gradients:  # Note [no_sync]: autograd adds the next one into it
+            tag(unsharded.grad, "grads")
+            return
         grad, unsharded.grad = unsharded.grad, None
         tag(grad, "grads")
-        self._handle.reshard()  # every strategy: nothing needs the parameters any more
-        self._root._reduce(self, grad)
+        if grad.dtype != self._reduce_dtype:  # Note [mixed precision]
+            grad = grad.to(self._reduce_dtype)
+            tag(grad, "grads")
+        root._reduce(self, grad)
 
     def _reduce(self, unit: FullyShardedDataParallel, grad: torch.Tensor) -> None:
         """(root) Average ``grad`` over ranks into ``unit``'s shard gradient, asynchronously."""
@@ -313,9 +386,14 @@ class FullyShardedDataParallel(nn.Module):
         if after > 1:
             out.div_(after)
         flat = unit._handle.flat_param
+        if out.dtype != flat.dtype:  # Note [mixed precision]: reduced, then full precision
+            out = out.to(flat.dtype)
+            tag(out, "grads")
         if unit._offload:  # Note [CPU offload]
             out = out.to(flat.device, copy=True)
             tag(out, "grads")
+        for a, b in flat.frozen_slices:  # Note [frozen parameters]
+            out[a:b] = 0
         if flat.grad is None:
             flat.grad = out
         else:  # gradient accumulation over several backwards
@@ -326,12 +404,57 @@ class FullyShardedDataParallel(nn.Module):
         try:
             with comm.span(FINAL_SPAN):
                 self._finish_pending()
+                keep = not self._sync_gradients  # Note [no_sync]: SHARD_GRAD_OP keeps them
                 for unit in self._units:
-                    if unit._handle is not None:
+                    if unit._handle is not None and not (
+                            keep and unit._strategy is ShardingStrategy.SHARD_GRAD_OP):
                         unit._handle.reshard()
-                    unit._ran_pre_backward = False
+                    unit._ran_pre_backward = unit._needs_bwd_unshard = False
+                    unit._post_fwd_index = None
+                self._post_fwd_order.clear()
+                self._iteration += 1
         finally:
             self._callback_queued = False
+
+    # ---- knobs used in the training loop --------------------------------------------------
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backwards inside accumulate unsharded gradients and communicate nothing; the first
+        backward after the block reduce-scatters the sum (Note [no_sync]). On the root.
+
+        Example::
+
+            with model.no_sync():
+                for x, y in micro_batches[:-1]:
+                    loss_fn(model(x), y).backward()      # no collective
+            loss_fn(model(*micro_batches[-1]), ...).backward()   # one reduce-scatter per unit
+        """
+        if not self._is_root:
+            raise RuntimeError(f"no_sync() is called on the root FullyShardedDataParallel, not "
+                               f"on unit {self._name!r}")
+        old, self._sync_gradients = self._sync_gradients, False
+        try:
+            yield
+        finally:
+            self._sync_gradients = old
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Scale every unit's gradient so that the norm of the whole model's gradient is at
+        most ``max_norm``; return that norm (before clipping), the same on every rank. A
+        collective, on the root (Note [clipping sharded gradients] in ``minifsdp.fsdp1_grads``).
+
+        Example::
+
+            loss.backward()
+            norm = model.clip_grad_norm_(1.0)    # a 0-dim fp32 tensor, e.g. tensor(3.7)
+            opt.step()
+        """
+        if not self._is_root:
+            raise RuntimeError("clip_grad_norm_() is called on the root FullyShardedDataParallel, "
+                               f"not on unit {self._name!r}")
+        return clip_grad_norm(self, max_norm, norm_type)
 
     # ---- names (Note [names]) ---------------------------------------------------------------
 
@@ -371,15 +494,17 @@ def _clean(name: str) -> str:
     return name.replace(WRAPPED + ".", "").replace(WRAPPED, "").rstrip(".")
 
 
-def _unit_params(module: nn.Module, keep: set[int] | None) -> list:
+def _unit_params(module: nn.Module, keep: set[int] | None, unit: str = "") -> list:
     """The ``(fqn, module, name, parameter)`` a unit flattens: the parameters still registered
-    below ``module`` (FlatParameters of units below excepted), or those in ``keep``."""
+    below ``module`` (FlatParameters of units below excepted), or those in ``keep``. Errors name
+    the full path: ``unit`` (the unit's name in the model) + the fqn."""
     out = []
     for fqn, m, name, p in registered_params(module):
         if isinstance(p, FlatParameter) or (keep is not None and id(p) not in keep):
             continue
         if getattr(p, "_minifsdp_flattened", None) is not None:
-            raise ValueError(f"parameter {_clean(fqn)!r} is tied to a parameter that unit "
+            full = f"{unit}.{_clean(fqn)}" if unit else _clean(fqn)
+            raise ValueError(f"parameter {full!r} is tied to a parameter that unit "
                              f"{p._minifsdp_flattened!r} already flattened: wrap the modules that "
                              "share it in one unit (Note [tied parameters across units])")
         out.append((_clean(fqn), m, name, p))
@@ -421,7 +546,7 @@ def summon_full_params(model: nn.Module, writeback: bool = True) -> Iterator[nn.
     was_unsharded = [u._handle.is_unsharded for u in units]
     with torch.no_grad():
         for u in units:
-            u._handle.unshard(f"{u._name} summon")
+            u._handle.unshard_full_precision(f"{u._name} summon")  # Note [mixed precision]
             u._handle.use_unsharded_views(as_params=True)
             del u._parameters["flat_param"]
     try:
@@ -433,7 +558,9 @@ def summon_full_params(model: nn.Module, writeback: bool = True) -> Iterator[nn.
                     u._handle.write_back()
                 u._handle.use_unsharded_views(as_params=False)
                 u._parameters["flat_param"] = u._handle.flat_param
-                if not was:
+                if u._handle._full_precision:
+                    u._handle.end_full_precision()
+                elif not was:
                     u._handle.reshard()
 
 
@@ -446,6 +573,9 @@ def full_state_dict(model: FullyShardedDataParallel) -> dict[str, torch.Tensor]:
         sd = full_state_dict(model)        # {"tok_emb.weight": (64, 32) tensor, ...}
         GPT(cfg).load_state_dict(sd)       # a plain, unsharded copy of the model
     """
+    # buffers in their own dtype, as before MixedPrecision.buffer_dtype cast them (as torch)
+    dtypes = getattr(model, "_buffer_dtypes", None) or {}
     with summon_full_params(model, writeback=False):
         sd = getattr(model, WRAPPED).state_dict()
+        sd = {k: v.to(dtypes.get(_clean(k), v.dtype)) for k, v in sd.items()}
         return {_clean(k): v.detach().to("cpu", copy=True) for k, v in sd.items()}

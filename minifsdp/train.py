@@ -95,11 +95,14 @@ def _torch_fsdp1(model, info, args):
         "transformer": functools.partial(wrap.transformer_auto_wrap_policy,
                                          transformer_layer_cls=unit_classes(model)),
     }
+    from torch.distributed.fsdp import BackwardPrefetch, MixedPrecision
+
     return FullyShardedDataParallel(
         model, device_id=info.device, use_orig_params=True,
         sharding_strategy=ShardingStrategy[args.sharding_strategy.upper()],
         auto_wrap_policy=policies[args.auto_wrap],
-        cpu_offload=CPUOffload(offload_params=args.cpu_offload))
+        cpu_offload=CPUOffload(offload_params=args.cpu_offload),
+        **fsdp1_knobs(args, MixedPrecision, BackwardPrefetch, torch_default="backward_pre"))
 
 
 @strategy("fsdp1")
@@ -112,7 +115,24 @@ def _fsdp1(model, info, args):
     return fsdp1.FullyShardedDataParallel(
         model, sharding_strategy=args.sharding_strategy, device_id=info.device,
         cpu_offload=fsdp1.CPUOffload(offload_params=args.cpu_offload),
-        auto_wrap_policy=policies[args.auto_wrap]())
+        auto_wrap_policy=policies[args.auto_wrap](),
+        **fsdp1_knobs(args, fsdp1.MixedPrecision, fsdp1.BackwardPrefetch, torch_default=None))
+
+
+def fsdp1_knobs(args, mp_cls, prefetch_cls, torch_default: str | None) -> dict:
+    """FSDP1's ``mixed_precision``, ``backward_prefetch`` and ``forward_prefetch`` from
+    ``--param-dtype``, ``--reduce-dtype``, ``--buffer-dtype``, ``--backward-prefetch`` and
+    ``--forward-prefetch implicit`` (ours or torch's classes: the same names). Without
+    ``--backward-prefetch`` each library keeps its own default (``torch_default`` names
+    torch's, BACKWARD_PRE; ours is none): pass it to compare like with like."""
+    names = (args.param_dtype, args.reduce_dtype, args.buffer_dtype)
+    out: dict = {"forward_prefetch": args.forward_prefetch == "implicit"}
+    if names != (None, None, None):
+        out["mixed_precision"] = mp_cls(*(DTYPES[n] if n else None for n in names))
+    bp = args.backward_prefetch or torch_default
+    if args.backward_prefetch is not None or torch_default is not None:
+        out["backward_prefetch"] = None if bp == "none" else prefetch_cls[bp.upper()]
+    return out
 
 
 @strategy("torch_fsdp2")
@@ -330,21 +350,59 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--forward-prefetch", choices=["none", "implicit", "explicit"],
                    default="none", help="fsdp2 (torch_fsdp2: explicit only): all-gather the "
                    "next unit during this one's forward (default none, as torch)")
-    p.add_argument("--backward-prefetch", choices=["implicit", "explicit", "none"],
-                   default="implicit", help="fsdp2 (torch_fsdp2: not none): all-gather the next "
-                   "unit during this one's backward (default implicit, as torch)")
+    p.add_argument("--backward-prefetch", choices=["implicit", "explicit", "none",
+                                                   "backward_pre", "backward_post"],
+                   default=None, help="fsdp2 (torch_fsdp2: not none): all-gather the next "
+                   "unit during this one's backward (implicit, explicit, none; default implicit, "
+                   "as torch); fsdp1, torch_fsdp1: backward_pre, backward_post or none (Note "
+                   "[backward prefetch] in minifsdp/fsdp1_options.py; default: each library's "
+                   "own, torch backward_pre, ours none)")
+    p.add_argument("--buffer-dtype", choices=sorted(DTYPES), default=None,
+                   help="fsdp1, torch_fsdp1: mixed precision, the dtype of the buffers "
+                   "(MixedPrecision.buffer_dtype)")
+    p.add_argument("--clip-grad-norm", type=float, default=None, metavar="MAX",
+                   help="single, torch_ddp, fsdp1, torch_fsdp1, fsdp2, torch_fsdp2: scale the "
+                   "gradients to total 2-norm <= MAX before each optimizer step (FSDP1: "
+                   "model.clip_grad_norm_; the others torch.nn.utils.clip_grad_norm_); the "
+                   "norms before clipping go to the results as grad_norms")
     for flag, what in (("param", "all-gather, forward and backward (the unsharded parameters)"),
                        ("reduce", "gradient reduce-scatter (default: --param-dtype)"),
                        ("output", "root's floating-point outputs (default: as computed)")):
         p.add_argument(f"--{flag}-dtype", choices=sorted(DTYPES), default=None,
-                       help=f"fsdp2, torch_fsdp2: mixed precision, the dtype of the {what}; "
-                       "no --*-dtype flag: no MixedPrecisionPolicy")
+                       help=f"fsdp2, torch_fsdp2 (param, reduce: also fsdp1, torch_fsdp1): "
+                       f"mixed precision, the dtype of the {what}; no --*-dtype flag: no "
+                       "MixedPrecisionPolicy / MixedPrecision")
     args = p.parse_args(argv)
-    if (args.param_dtype, args.reduce_dtype, args.output_dtype) != (None, None, None) and (
-            args.strategy not in ("fsdp2", "torch_fsdp2")):
-        p.error("--param-dtype / --reduce-dtype / --output-dtype apply to --strategy fsdp2 and "
-                "torch_fsdp2 only (mixed precision's reference is torch_fsdp2 with the same "
+    fsdp1_like, fsdp2_like = ("fsdp1", "torch_fsdp1"), ("fsdp2", "torch_fsdp2")
+    if (args.param_dtype, args.reduce_dtype) != (None, None) and (
+            args.strategy not in fsdp1_like + fsdp2_like):
+        p.error("--param-dtype / --reduce-dtype apply to --strategy fsdp1, torch_fsdp1, fsdp2 "
+                "and torch_fsdp2 only (mixed precision's reference is torch's FSDP with the same "
                 "policy; single has no counterpart)")
+    if args.output_dtype is not None and args.strategy not in fsdp2_like:
+        p.error("--output-dtype applies to --strategy fsdp2 and torch_fsdp2 only")
+    if args.buffer_dtype is not None and args.strategy not in fsdp1_like:
+        p.error("--buffer-dtype applies to --strategy fsdp1 and torch_fsdp1 only (FSDP2 leaves "
+                "buffers alone)")
+    if args.clip_grad_norm is not None and args.strategy not in (
+            "single", "torch_ddp") + fsdp1_like + fsdp2_like:
+        p.error("--clip-grad-norm applies to --strategy single, torch_ddp, fsdp1, torch_fsdp1, "
+                "fsdp2 and torch_fsdp2 (ZeRO's sharded gradients need a norm across ranks "
+                "that minifsdp.zero does not compute)")
+    if args.clip_grad_norm is not None and not args.clip_grad_norm > 0:
+        p.error(f"--clip-grad-norm {args.clip_grad_norm}: the maximum norm must be > 0")
+    if args.strategy in fsdp1_like:
+        if args.backward_prefetch in ("implicit", "explicit"):
+            p.error(f"--backward-prefetch {args.backward_prefetch}: FSDP1 takes backward_pre, "
+                    "backward_post or none")
+        if args.forward_prefetch == "explicit":
+            p.error("--forward-prefetch explicit: FSDP1 has no explicit lists; implicit is its "
+                    "forward_prefetch=True (the first iteration's order)")
+    else:
+        if args.backward_prefetch in ("backward_pre", "backward_post"):
+            p.error(f"--backward-prefetch {args.backward_prefetch} applies to --strategy fsdp1 "
+                    "and torch_fsdp1 only")
+        args.backward_prefetch = args.backward_prefetch or "implicit"
     if args.hsdp is not None and args.strategy not in ("fsdp2", "torch_fsdp2"):
         p.error("--hsdp applies to --strategy fsdp2 and torch_fsdp2 only")
     if args.hsdp is not None and args.hsdp < 1:
@@ -352,10 +410,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.activation_checkpointing and args.model != "gpt":
         p.error("--activation-checkpointing needs --model gpt (it checkpoints each Block's "
                 "attn and mlp)")
-    if (args.forward_prefetch, args.backward_prefetch) != ("none", "implicit") and (
-            args.strategy not in ("fsdp2", "torch_fsdp2")):
-        p.error("--forward-prefetch / --backward-prefetch apply to --strategy fsdp2 and "
-                "torch_fsdp2 only")
+    if (args.forward_prefetch, args.backward_prefetch) not in (("none", "implicit"),
+                                                               ("none", None)) and (
+            args.strategy not in fsdp1_like + fsdp2_like):
+        p.error("--forward-prefetch / --backward-prefetch apply to --strategy fsdp1, "
+                "torch_fsdp1, fsdp2 and torch_fsdp2 only")
     if args.strategy == "torch_fsdp2" and args.forward_prefetch == "implicit":
         p.error("--forward-prefetch implicit: torch's fully_shard has no such switch (on GPUs "
                 "its separate all-gather streams overlap the forward without one); use "
@@ -438,11 +497,14 @@ def loss_fn(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 
 def train_step(model, opt, x, y, tracker: MemoryTracker | None = None,
-               micro_batches: int = 1) -> torch.Tensor:
-    """forward -> backward -> optimizer step -> zero_grad, in named memory phases.
+               micro_batches: int = 1, clip: float | None = None,
+               grad_norms: list[float] | None = None) -> torch.Tensor:
+    """forward -> backward -> (clip) -> optimizer step -> zero_grad, in named memory phases.
 
     With ``micro_batches = N`` the batch is split into N equal parts whose gradients
-    accumulate, each loss scaled by 1/N (Note [bitwise parity]). Returns the batch's mean loss.
+    accumulate, each loss scaled by 1/N (Note [bitwise parity]). With ``clip``, the gradients
+    are scaled to total norm <= clip and the norm before is appended to ``grad_norms``.
+    Returns the batch's mean loss.
     """
     phase = lambda name: _phase(name, tracker)
     losses = []
@@ -452,6 +514,11 @@ def train_step(model, opt, x, y, tracker: MemoryTracker | None = None,
         with phase("backward"):
             (loss / micro_batches if micro_batches > 1 else loss).backward()
         losses.append(loss.detach())
+    if clip is not None:
+        with phase("clip"):
+            norm = clip_grad_norm(model, clip)
+        if grad_norms is not None:
+            grad_norms.append(norm)
     with phase("optimizer step"):
         opt.step()
     with phase("zero_grad"):
@@ -459,6 +526,18 @@ def train_step(model, opt, x, y, tracker: MemoryTracker | None = None,
     # Summed then divided, in rank order: the same float operations as global_mean's
     # all-reduce over N ranks.
     return torch.stack(losses).sum() / micro_batches if micro_batches > 1 else losses[0]
+
+
+def clip_grad_norm(model: nn.Module, max_norm: float) -> float:
+    """FSDP1's (ours or torch's) ``model.clip_grad_norm_``, else torch.nn.utils' (plain or
+    DTensor gradients: FSDP2's norm is a DTensor reduced across ranks). Returns the norm."""
+    if hasattr(model, "clip_grad_norm_"):
+        norm = model.clip_grad_norm_(max_norm)
+    else:
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    if hasattr(norm, "full_tensor"):  # a DTensor
+        norm = norm.full_tensor()
+    return float(norm)
 
 
 @contextlib.contextmanager
@@ -555,6 +634,8 @@ def main(argv: list[str] | None = None) -> None:
     log.clear()
     losses, step_times, memory, torch_mem = [], [], [], None
     layout = param_layout(model)
+    grad_norms: list[float] = []
+    clip = {"clip": args.clip_grad_norm, "grad_norms": grad_norms}
     for step in range(start, args.steps):
         x, y = next(batches)
         tracker = None
@@ -569,11 +650,11 @@ def main(argv: list[str] | None = None) -> None:
                       else contextlib.nullcontext())
             with theirs as peak, tracker:
                 tracker.register((x, y), "activations")  # the first layer saves the batch
-                loss = train_step(model, opt, x, y, tracker, micro)
+                loss = train_step(model, opt, x, y, tracker, micro, **clip)
             torch_mem = peak if peak is not None else torch_mem
             memory.append(tracker.to_dict())
         else:
-            loss = train_step(model, opt, x, y, micro_batches=micro)
+            loss = train_step(model, opt, x, y, micro_batches=micro, **clip)
         step_times.append(time.perf_counter() - t0)  # tracked steps are slower: not timings
         losses.append(global_mean(loss, info))
         report_progress(step + 1, args.steps, loss=losses[-1])
@@ -582,7 +663,7 @@ def main(argv: list[str] | None = None) -> None:
     results = {
         **run_header(args, info), "num_params": n_params, "losses": losses,
         "step_times": step_times, "memory": memory, "comm": log.to_list(),
-        "param_layout": layout, "torch_memtracker": torch_mem,
+        "param_layout": layout, "torch_memtracker": torch_mem, "grad_norms": grad_norms,
     }
     # which steps these losses are, so a resumed run's curve continues the killed one's
     results.update(ckpt, steps=list(range(start + 1, start + len(losses) + 1)), finished=True)

@@ -1,0 +1,338 @@
+"""Worker for tests/test_fsdp1_knobs.py: FSDP1's knobs (mixed precision, backward and forward
+prefetch, no_sync, clip_grad_norm_), each configuration next to torch FSDP1
+(``use_orig_params=True``, ``device_id`` the CPU) on the same data, all in one launch.
+
+Per configuration and step it records, on this rank: the loss (global mean), whether each
+unit's local gradient shard and parameter shard equal torch's bit for bit, and the sequence of
+FSDP collectives with the start of each unit's forward computation, ours and torch's. Reports
+raw facts; the test asserts on them.
+
+    python -m torch.distributed.run --standalone --nproc-per-node 3 \
+        tests/workers/fsdp1_knobs_worker.py
+"""
+
+import copy
+import functools
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.fsdp import BackwardPrefetch as TorchBackwardPrefetch
+from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
+from torch.distributed.fsdp import MixedPrecision as TorchMixedPrecision
+from torch.distributed.fsdp import ShardingStrategy, _flat_param, _runtime_utils, wrap
+
+from minifsdp import comm, fsdp1
+from minifsdp.dist import dist_setup, finish
+from minifsdp.memory import MemoryTracker
+
+info = dist_setup()
+rank, N = info.rank, info.world_size
+STEPS, LOCAL, D_IN, CLASSES = 3, 4, 33, 10
+BF16, FP32 = torch.bfloat16, torch.float32
+
+
+class Block(nn.Module):
+    """A unit of its own size (so the flat parameters pad differently), with a float buffer
+    (for ``buffer_dtype``) and a LayerNorm."""
+
+    def __init__(self, d_in: int, d_out: int):
+        super().__init__()
+        self.fc, self.norm = nn.Linear(d_in, d_out), nn.LayerNorm(d_out)
+        self.register_buffer("scale", torch.linspace(0.5, 1.5, d_out))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.norm(self.fc(x))) * self.scale
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.Sequential(Block(D_IN, 48), Block(48, 37), Block(37, 24))
+        self.head = nn.Linear(24, CLASSES)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.blocks(x))
+
+
+FROZEN = ["blocks.0.fc.bias", "blocks.1.fc.weight", "blocks.1.norm.weight", "head.bias"]
+# name -> options; every configuration runs FULL_SHARD unless it says otherwise
+CASES = {
+    "mp_bf16_fp32_reduce": dict(mp=(BF16, FP32, BF16)),
+    "mp_bf16": dict(mp=(BF16, None, BF16), strategy="shard_grad_op"),
+    "mp_reduce_bf16_only": dict(mp=(None, BF16, None)),
+    "mp_no_shard": dict(mp=(BF16, FP32, BF16), strategy="no_shard"),
+    "prefetch_none": dict(bp=None),
+    "prefetch_backward_pre": dict(bp="backward_pre"),
+    "prefetch_backward_post": dict(bp="backward_post"),
+    "prefetch_forward": dict(bp=None, fp=True),
+    "prefetch_pre_forward_shard_grad_op": dict(bp="backward_pre", fp=True,
+                                               strategy="shard_grad_op"),
+    "no_sync": dict(no_sync=True),
+    "no_sync_shard_grad_op": dict(no_sync=True, strategy="shard_grad_op"),
+    "no_sync_mp": dict(no_sync=True, mp=(BF16, FP32, BF16)),
+    "clip_l2": dict(clip=(0.05, 2.0)),
+    "clip_inf": dict(clip=(0.01, float("inf"))),
+    "clip_no_shard": dict(clip=(0.05, 2.0), strategy="no_shard"),
+    # frozen parameters inside units (and one in the root), clipped: the norm leaves them out
+    "frozen": dict(frozen=FROZEN, clip=(0.05, 2.0)),
+    "frozen_no_sync_shard_grad_op": dict(frozen=FROZEN, no_sync=True, strategy="shard_grad_op"),
+    "frozen_whole_unit": dict(frozen=["blocks.2.fc.weight", "blocks.2.fc.bias",
+                                      "blocks.2.norm.weight", "blocks.2.norm.bias"]),
+}
+TRACKED = ("prefetch_none", "prefetch_backward_pre", "prefetch_backward_post",
+           "prefetch_forward", "no_sync", "mp_bf16_fp32_reduce", "mp_bf16")
+
+EVENTS: list[tuple[str, str]] = []  # (what, unit): "all_gather", "reduce_scatter", "forward"
+TORCH_NAMES: dict[int, str] = {}  # id(torch FlatParamHandle) -> unit name
+
+
+def _record_torch() -> None:
+    """Wrap torch FSDP1's all-gather and reduce-scatter (looked up at call time) to record
+    which unit each belongs to."""
+    gather = _flat_param.FlatParamHandle._all_gather_flat_param
+    reduce = _runtime_utils._reduce_grad
+
+    def all_gather(handle, *args, **kwargs):
+        EVENTS.append(("all_gather", TORCH_NAMES.get(id(handle), "?")))
+        return gather(handle, *args, **kwargs)
+
+    def reduce_grad(state, handle):
+        EVENTS.append(("reduce_scatter", TORCH_NAMES.get(id(handle), "?")))
+        return reduce(state, handle)
+
+    reduce_no_shard = _runtime_utils._reduce_grad_no_shard
+
+    def all_reduce(state, handle):
+        EVENTS.append(("all_reduce", TORCH_NAMES.get(id(handle), "?")))
+        return reduce_no_shard(state, handle)
+
+    _flat_param.FlatParamHandle._all_gather_flat_param = all_gather
+    _runtime_utils._reduce_grad = reduce_grad
+    _runtime_utils._reduce_grad_no_shard = all_reduce
+
+
+def _record_ours() -> None:
+    """Wrap minifsdp.comm's collectives: the unit is the first word of the tag."""
+    for op, name in (("all_gather_into_tensor", "all_gather"),
+                     ("reduce_scatter_tensor", "reduce_scatter"), ("all_reduce", "all_reduce")):
+        fn = getattr(comm, op)
+
+        def wrapped(*args, _fn=fn, _name=name, **kwargs):
+            if kwargs.get("tag"):
+                EVENTS.append((_name, kwargs["tag"].split(" ")[0]))
+            return _fn(*args, **kwargs)
+
+        setattr(comm, op, wrapped)
+
+
+_record_torch()
+_record_ours()
+
+
+def clean(name: str) -> str:
+    return name.replace("_fsdp_wrapped_module.", "").replace("_fsdp_wrapped_module", "") or \
+        "(root)"
+
+
+def batch(step: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's local batch of a step's micro-batch (the global batch is the same on every
+    rank, cut in N)."""
+    g = torch.Generator().manual_seed(100 * step + micro)
+    x = torch.randn(N * LOCAL, D_IN, generator=g)
+    y = torch.randint(0, CLASSES, (N * LOCAL,), generator=g)
+    return x.chunk(N)[rank].to(info.device), y.chunk(N)[rank].to(info.device)
+
+
+def global_mean(loss: torch.Tensor) -> float:
+    t = loss.detach().float().clone()
+    dist.all_reduce(t)
+    return float(t / N)
+
+
+def units_of(model: nn.Module, ours: bool) -> dict[str, torch.Tensor]:
+    """unit name -> its FlatParameter (this rank's shard)."""
+    if ours:
+        return {u._name: u.flat_param for u in model._units if u._handle is not None}
+    return {clean(n): m._handle.flat_param for n, m in model.named_modules()
+            if isinstance(m, TorchFSDP) and m._handle is not None}
+
+
+def real(h) -> torch.Tensor:
+    """Which elements of this rank's shard of handle ``h`` belong to a parameter: torch fills
+    its alignment padding with 42s, ours holds zeros; neither is ever read."""
+    start = h.rank * h.shard_numel if h.sharded else 0
+    mask = torch.zeros(h.shard_numel, dtype=torch.bool)
+    for i in h.infos:
+        lo, hi = max(i.offset, start), min(i.offset + i.numel, start + h.shard_numel)
+        if hi > lo:
+            mask[lo - start:hi - start] = True
+    return mask
+
+
+def trainable(h) -> torch.Tensor:
+    """``real(h)`` less the frozen parameters' elements (torch's flat gradient holds their
+    reduced gradient, hidden from the optimizer; ours zeros: Note [frozen parameters])."""
+    mask = real(h)
+    for a, b in h.flat_param.frozen_slices:
+        mask[a:b] = False
+    return mask
+
+
+def same(a: torch.Tensor | None, b: torch.Tensor | None, mask: torch.Tensor) -> bool:
+    """Bitwise equal on the parameters' elements; our NO_SHARD flat tensor is padded to a
+    multiple of N, torch's not."""
+    if a is None or b is None:
+        return a is None and b is None
+    m = mask[:b.numel()]
+    return torch.equal(a[:b.numel()][m], b[m]) and not a[b.numel():].any()
+
+
+def wrap_pair(case: dict) -> tuple[nn.Module, nn.Module, nn.Module]:
+    torch.manual_seed(0)
+    base = Net()
+    for name in case.get("frozen", ()):
+        base.get_parameter(name).requires_grad_(False)
+    strategy = case.get("strategy", "full_shard")
+    mp = case.get("mp")
+    bp = case.get("bp", "backward_pre")
+    ours = fsdp1.FullyShardedDataParallel(
+        copy.deepcopy(base), sharding_strategy=strategy, device_id=info.device,
+        auto_wrap_policy=fsdp1.transformer_auto_wrap_policy({Block}),
+        mixed_precision=fsdp1.MixedPrecision(*mp) if mp else None,
+        backward_prefetch=fsdp1.BackwardPrefetch.parse(bp),
+        forward_prefetch=case.get("fp", False))
+    theirs = TorchFSDP(
+        copy.deepcopy(base), device_id=info.device, use_orig_params=True,
+        sharding_strategy=ShardingStrategy[strategy.upper()],
+        auto_wrap_policy=functools.partial(wrap.transformer_auto_wrap_policy,
+                                           transformer_layer_cls={Block}),
+        mixed_precision=TorchMixedPrecision(*mp) if mp else None,
+        backward_prefetch=TorchBackwardPrefetch[bp.upper()] if bp else None,
+        forward_prefetch=case.get("fp", False))
+    TORCH_NAMES.clear()
+    TORCH_NAMES.update({id(m._handle): clean(n) for n, m in theirs.named_modules()
+                        if isinstance(m, TorchFSDP) and m._handle is not None})
+    return base, ours, theirs
+
+
+def mark_forwards(model: nn.Module, ours: bool) -> None:
+    """Record the start of each unit's own computation (after its pre-forward logic)."""
+    for n, m in model.named_modules():
+        if isinstance(m, (fsdp1.FullyShardedDataParallel, TorchFSDP)):
+            name = m._name if ours else clean(n)
+            inner = getattr(m, fsdp1.WRAPPED)
+            inner.register_forward_pre_hook(
+                lambda *_, _n=name: EVENTS.append(("forward", _n)))
+
+
+def train(model: nn.Module, opt, case: dict, ours: bool, tracker_steps: bool = False) -> dict:
+    losses, grads, params, norms, events, peaks = [], [], [], [], [], []
+    clip = case.get("clip")
+    for step in range(STEPS):
+        EVENTS.clear()
+        tracker = MemoryTracker(model, opt) if tracker_steps else None
+        if tracker is not None:
+            tracker.__enter__()
+        micro = 2 if case.get("no_sync") else 1
+        parts = []
+        for k in range(micro):
+            x, y = batch(step, k)
+            ctx = model.no_sync() if k < micro - 1 else _nothing()
+            with ctx:
+                loss = F.cross_entropy(model(x), y)
+                loss.backward()
+            parts.append(global_mean(loss))
+        losses.append(parts)
+        if clip is not None:
+            norms.append(float(model.clip_grad_norm_(*clip)))
+        grads.append({n: p.grad.detach().clone() if p.grad is not None else None
+                      for n, p in units_of(model, ours).items()})
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if tracker is not None:
+            tracker.__exit__(None, None, None)
+            peaks.append(tracker.peak)
+        params.append({n: p.detach().clone() for n, p in units_of(model, ours).items()})
+        events.append(list(EVENTS))
+    return dict(losses=losses, grads=grads, params=params, norms=norms, events=events,
+                peaks=peaks)
+
+
+class _nothing:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+def reference_norms(base: nn.Module, case: dict) -> list[float]:
+    """One process: every rank's micro-batch, each loss / N, then torch.nn.utils'
+    clip_grad_norm_ (Note [bitwise parity] in minifsdp/train.py)."""
+    ref = copy.deepcopy(base)
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
+    norms = []
+    for step in range(STEPS):
+        g = torch.Generator().manual_seed(100 * step)
+        x = torch.randn(N * LOCAL, D_IN, generator=g)
+        y = torch.randint(0, CLASSES, (N * LOCAL,), generator=g)
+        for q in range(N):
+            loss = F.cross_entropy(ref(x.chunk(N)[q]), y.chunk(N)[q])
+            (loss / N).backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(ref.parameters(), *case["clip"])))
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return norms
+
+
+def run_case(name: str, case: dict) -> dict:
+    base, ours, theirs = wrap_pair(case)
+    init = {n: p.detach().clone() for n, p in units_of(ours, True).items()}
+    masks = {u._name: real(u._handle) for u in ours._units if u._handle is not None}
+    grad_masks = {u._name: trainable(u._handle) for u in ours._units if u._handle is not None}
+    frozen0 = {k: v.clone() for k, v in base.state_dict().items() if k in case.get("frozen", ())}
+    mark_forwards(ours, True)
+    mark_forwards(theirs, False)
+    with comm.logging_comm() as log:
+        got = train(ours, torch.optim.AdamW(ours.parameters(), lr=1e-2, weight_decay=0.1),
+                    case, ours=True)
+    want = train(theirs, torch.optim.AdamW(theirs.parameters(), lr=1e-2, weight_decay=0.1),
+                 case, ours=False)
+    out = {
+        "losses": got["losses"], "torch_losses": want["losses"],
+        "grads_bitwise": [all(same(g[n], w[n], grad_masks[n]) for n in w)
+                          for g, w in zip(got["grads"], want["grads"])],
+        "params_bitwise": [all(same(g[n], w[n], masks[n]) for n in w)
+                           for g, w in zip(got["params"], want["params"])],
+        "units": sorted(want["params"][0]), "our_units": sorted(got["params"][0]),
+        "events": got["events"], "torch_events": want["events"],
+        "norms": got["norms"], "torch_norms": want["norms"],
+        "wire_bytes": {op: log.total_bytes(op, wire=True) for op in ("all_gather",
+                                                                      "reduce_scatter")},
+        # every unit's trainable elements on this rank (if it has any) moved
+        "moved": min(float((got["params"][-1][n] - p)[grad_masks[n]].abs().max())
+                     for n, p in init.items() if grad_masks[n].any()),
+    }
+    sd = fsdp1.full_state_dict(ours)
+    out["state_dict_dtypes"] = sorted({str(v.dtype) for v in sd.values()})
+    out["frozen_unchanged"] = [torch.equal(sd[k], v) for k, v in frozen0.items()]
+    flats = units_of(ours, True)
+    out["frozen_slices"] = sum(len(p.frozen_slices) for p in flats.values())
+    out["frozen_grads_zero"] = all(not g[n][a:b].any() for g in got["grads"] for n in g
+                                   if g[n] is not None for a, b in flats[n].frozen_slices)
+    if "clip" in case:
+        out["ref_norms"] = reference_norms(base, case)
+    if name in TRACKED:  # memory of the second step (the optimizer state exists from step 1)
+        _, ours2, _ = wrap_pair(case)
+        out["peaks"] = train(ours2, torch.optim.AdamW(ours2.parameters(), lr=1e-2,
+                                                      weight_decay=0.1), case, ours=True,
+                             tracker_steps=True)["peaks"]
+        out["padded_bytes"] = {u._name: u._handle.padded_numel * 4 for u in ours2._units
+                               if u._handle is not None}
+    return out
+
+
+finish({"rank": rank, "world_size": N,
+        "cases": {name: run_case(name, case) for name, case in CASES.items()}})
