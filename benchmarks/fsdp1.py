@@ -4,28 +4,36 @@
     python benchmarks/fsdp1.py --world-sizes 2 --steps 3 --rounds 5
 
 The script launches itself under torchrun (``minifsdp.launch.torchrun``). Each worker builds the
-same GPT three times -- wrapped by torch FSDP1 with its defaults (``BACKWARD_PRE`` prefetch),
-by torch FSDP1 without prefetching, and by ``minifsdp.fsdp1`` -- all FULL_SHARD, each
-transformer block a unit, and times training steps (forward, backward, AdamW step) in
-interleaved rounds, so that drift in the machine's speed hits all alike. A step's time is the
-slowest rank's, after a barrier; we report the median over all rounds' steps after warm-up and
-the range of the per-round ratios, the machine's noise. Memory: one more step of each under
-``MemoryTracker``, after warm-up (the optimizer state exists), the largest peak over ranks.
-Not part of the test suite.
+same GPT four times -- wrapped by torch FSDP1 and by ``minifsdp.fsdp1``, each with torch's
+default ``backward_prefetch=BackwardPrefetch.BACKWARD_PRE`` and with prefetching off
+(``backward_prefetch=None``) -- all FULL_SHARD, each transformer block a unit, and times
+training steps (forward, backward, AdamW step) in interleaved rounds, so that drift in the
+machine's speed hits all alike. Each row compares like with like: ours against torch with the
+same prefetch setting (Note [backward prefetch] in ``minifsdp/fsdp1_options.py``). A step's time
+is the slowest rank's, after a barrier; we report the median over all rounds' steps after
+warm-up and the range of the per-round ratios, the machine's noise. Memory: one more step of
+each under ``MemoryTracker``, after warm-up (the optimizer state exists), the largest peak over
+ranks. Not part of the test suite.
 
-minifsdp's FSDP1 does not prefetch (chapter 06): it gathers a unit when autograd reaches it,
-so its comparison with torch's defaults includes the cost of not overlapping, and the
-"no prefetch" column isolates the rest. On a CPU-only machine all ranks share the same cores
-and gloo goes through the kernel's loopback, so absolute numbers say little about GPUs.
+On a CPU-only machine all ranks share the same cores, gloo goes through the kernel's loopback
+and there are no streams to overlap on, so a prefetch can only move the wait, and absolute
+numbers say little about GPUs; the peaks are exact tensor bytes. With either setting our peak is
+above torch's (2.5 MiB on the default GPT): our reduce-scatter is asynchronous and keeps its
+input alive until the next one starts (Note [final callback] in ``minifsdp/fsdp1.py``); torch's, on
+CPU, blocks. BACKWARD_PRE adds exactly one unsharded block to both peaks.
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 
 import harness
 
-STRATEGIES = ("torch", "torch_noprefetch", "minifsdp")
+# name: (implementation, backward_prefetch); both implementations spell the knob alike
+STRATEGIES = {"torch": ("torch", "BACKWARD_PRE"), "minifsdp": ("minifsdp", "BACKWARD_PRE"),
+              "torch_off": ("torch", None), "minifsdp_off": ("minifsdp", None)}
+PAIRS = [("pre", "torch", "minifsdp"), ("none", "torch_off", "minifsdp_off")]
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -37,6 +45,7 @@ def worker(args: argparse.Namespace) -> None:
 
     import torch
     import torch.distributed as dist
+    from torch.distributed.fsdp import BackwardPrefetch as TorchPrefetch
     from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
     from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
 
@@ -47,20 +56,20 @@ def worker(args: argparse.Namespace) -> None:
     info = dist_setup()
     cfg, x, y = harness.gpt_and_batch(args, info)
     torch_policy = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={Block})
-    wrap = {
-        "torch": lambda m: TorchFSDP(m, device_id=info.device, use_orig_params=True,
-                                     auto_wrap_policy=torch_policy),
-        "torch_noprefetch": lambda m: TorchFSDP(m, device_id=info.device, use_orig_params=True,
-                                                auto_wrap_policy=torch_policy,
-                                                backward_prefetch=None),
-        "minifsdp": lambda m: fsdp1.FullyShardedDataParallel(
-            m, device_id=info.device,
-            auto_wrap_policy=fsdp1.transformer_auto_wrap_policy({Block})),
-    }
+
+    def wrap(impl: str, prefetch: str | None, model: torch.nn.Module) -> torch.nn.Module:
+        if impl == "torch":
+            return TorchFSDP(model, device_id=info.device, use_orig_params=True,
+                             auto_wrap_policy=torch_policy,
+                             backward_prefetch=prefetch and TorchPrefetch[prefetch])
+        return fsdp1.FullyShardedDataParallel(
+            model, device_id=info.device, auto_wrap_policy=fsdp1.transformer_auto_wrap_policy(
+                {Block}), backward_prefetch=prefetch and fsdp1.BackwardPrefetch[prefetch])
+
     models, opts = {}, {}
-    for name in STRATEGIES:
+    for name, (impl, prefetch) in STRATEGIES.items():
         seed_everything(0)
-        models[name] = wrap[name](GPT(cfg).to(info.device))
+        models[name] = wrap(impl, prefetch, GPT(cfg).to(info.device))
         opts[name] = torch.optim.AdamW(models[name].parameters(), lr=1e-4)
     times = harness.time_rounds(models, opts, x, y, info, args)
     peaks = harness.tracked_peaks(models, opts, x, y, info)
@@ -79,18 +88,23 @@ def driver(args: argparse.Namespace) -> None:
           f"tokens per rank, device {r['device']}")
     print(f"time: median of {args.rounds} x {args.steps} steps per strategy, after "
           f"{args.warmup} warm-up steps; memory: MemoryTracker peak, largest over ranks\n")
-    print(f"{'ranks':>5} {'torch':>9} {'torch np':>9} {'minifsdp':>9} {'mini/torch':>11} "
-          f"{'(rounds)':>10} {'mini/np':>8} {'peak torch':>11} {'peak np':>9} {'peak mini':>10} "
-          f"{'mini/torch':>11}")
-    for n, run, med, per_round in rows:
-        t, tn, m = med["torch"], med["torch_noprefetch"], med["minifsdp"]
-        pk = run.ranks[0]["worst_peak"]
-        print(f"{n:>5} {1e3 * t:>7.1f}ms {1e3 * tn:>7.1f}ms {1e3 * m:>7.1f}ms {m / t:>10.3f}x "
-              f"{harness.spread(per_round['minifsdp']):>10} {m / tn:>7.3f}x "
-              f"{pk['torch'] / 2**20:>9.2f}Mi {pk['torch_noprefetch'] / 2**20:>7.2f}Mi "
-              f"{pk['minifsdp'] / 2**20:>8.2f}Mi {pk['minifsdp'] / pk['torch']:>10.3f}x")
-    print("\n(rounds): the lowest and highest minifsdp/torch ratio among the rounds' medians; "
-          "np: torch FSDP1 without backward prefetch")
+    print(f"{'ranks':>5} {'prefetch':>9} {'torch':>9} {'minifsdp':>9} {'mini/torch':>11} "
+          f"{'(rounds)':>10} {'peak torch':>11} {'peak mini':>10} {'mini/torch':>11}")
+    for n, run, med, _ in rows:
+        times, worst = run.ranks[0]["times"], run.ranks[0]["worst_peak"]
+        for label, ref, name in PAIRS:
+            t, m = med[ref], med[name]
+            per_round = [statistics.median(a) / statistics.median(b)
+                         for a, b in zip(times[name], times[ref])]
+            print(f"{n:>5} {label:>9} {1e3 * t:>7.1f}ms {1e3 * m:>7.1f}ms {m / t:>10.3f}x "
+                  f"{harness.spread(per_round):>10} {worst[ref] / 2**20:>9.2f}Mi "
+                  f"{worst[name] / 2**20:>8.2f}Mi {worst[name] / worst[ref]:>10.3f}x")
+    print("\n(rounds): the lowest and highest minifsdp/torch ratio among the rounds' medians, "
+          "both with the same backward_prefetch (pre: BACKWARD_PRE, torch's default; none: off)")
+    for n, _, med, _ in rows:
+        ours, theirs = med["minifsdp"] / med["minifsdp_off"], med["torch"] / med["torch_off"]
+        print(f"N = {n}: step time with BACKWARD_PRE / without: minifsdp {ours:.3f}x, "
+              f"torch {theirs:.3f}x")
 
 
 if __name__ == "__main__":
