@@ -1,0 +1,281 @@
+"""Time at scale: step time and MFU of FSDP and HSDP from FLOPs, wire bytes and two links.
+
+``minifsdp.scale`` says what a step costs in bytes; this module turns those bytes and the
+step's FLOPs into seconds. Compute runs at an *achievable* FLOP/s, every collective costs a
+latency plus its wire bytes over a bus bandwidth (NVLink inside a node, the network across
+nodes), prefetching hides communication behind the compute of the neighbouring layer, and
+the step time and MFU are what comes out::
+
+    t = step_time(PRESETS["70B"], 64, micro_batch=1, seq_len=4096)          # FSDP over 64
+    t["step"], t["exposed"], t["mfu"]
+    step_time(PRESETS["70B"], 64, 1, 4096, shard=8)["mfu"]                  # HSDP, 8 x 8
+
+Note [model FLOPs]: a token costs ``6 Psi' + 12 L h s`` FLOPs forward and backward (PaLM,
+arXiv:2204.02311, appendix B; torchtitan's ``get_nparams_and_flops``): 2 per weight forward
+and 4 backward, Psi' the parameters without the input embeddings (a lookup, not a matmul;
+a tied head counts once), plus attention's two s x s matmuls per layer, counted in full (a
+causal kernel skips about half). That is the *model* FLOPs, the numerator of MFU.
+Activation checkpointing runs each block's forward again in backward: the *hardware* does
+``8 Psi'_blocks + 16 L h s`` for the blocks, but MFU still counts 6 and 12, so checkpointing
+costs MFU a quarter even when nothing else does.
+
+Note [hardware defaults]: ``H100`` holds, per GPU: peak dense bf16 989 TFLOP/s (NVIDIA's
+H100 SXM figure); achievable 794.5 TFLOP/s, the "maximum achievable matmul FLOPS" measured
+for H100 SXM in stas00/ml-engineering, compute/accelerator/README.md (MAMF table, 80.3% of
+peak) -- the best a large bf16 matmul does, so compute time here is a lower bound and MFU an
+upper one; NVLink 4: 900 GB/s both directions, so 450e9 B/s bus bandwidth, the line rate;
+the network: one 400 Gb/s NIC per GPU (torchtitan's docs/performance.md and the Llama 3
+paper describe such clusters), so 50e9 B/s; 8 GPUs a node. The latencies (10 us in a node,
+30 us across) are assumptions, not measurements: at these message sizes they are below 1%
+of the communication time (the chapter checks it). Line rates make communication times lower
+bounds too: nccl-tests typically reports somewhat less.
+
+Note [collective time]: ``latency + wire / busbw``, with wire = (N-1)/N S for all-gather
+and reduce-scatter and 2(N-1)/N S for all-reduce, S the full tensor's bytes -- nccl-tests'
+bus bandwidth convention (its doc/PERFORMANCE.md), so one measured busbw serves every N and
+op. The link: a group whose ranks share a node (ranks are numbered node by node) runs at
+``intra_bw``; a group that spans nodes runs at ``inter_bw``, the slowest hop of the ring,
+whatever NVLink does inside. FSDP over N > 8 GPUs therefore moves every byte at network
+speed. HSDP (``shard=S``) all-gathers and reduce-scatters within a node at NVLink speed and
+all-reduces only its 1/S slice across the N/S replicas over the network (Note [HSDP] in
+``minifsdp/fsdp2``). Not modelled: a ring's latency grows with its N-1 hops (NCCL switches
+to tree/PAT algorithms at scale), congestion, and SHARP in-network reductions.
+
+Note [exposed communication at scale]: one compute stream, one communication stream, and
+prefetching one unit ahead (chapter 06). Each stretch of compute hides the communication
+issued beside it: in forward, block i's compute hides block i+1's all-gather; the head's
+backward hides the last block's all-gather; block i's backward hides block i-1's all-gather
+plus block i+1's reduce-scatter (and, for HSDP, all-reduce). What does not fit is exposed::
+
+    exposed = first + sum over stretches of max(0, comm - compute) + last
+
+``first``: the root's and block 0's all-gathers, which nothing precedes; ``last``: block 0's
+and the root's reduce-scatters, which nothing follows. So zero communication gives step =
+compute, zero compute gives step = all communication, and ``overlap=False`` (no prefetch)
+exposes all of it. Limits, all optimistic: a stretch cannot lend its slack to the next
+(real streams can, so the model overstates exposure of unbalanced layers, never of balanced
+ones); all-gather and reduce-scatter share one link serially; the optimizer step, data
+loading and stragglers are not modelled.
+
+Note [checking the time model on gloo]: ``minifsdp.demos.comm_time`` measures gloo's latency
+(a one-element collective) and bus bandwidth (an 8 MiB one) per op and times the
+collectives of a real FSDP2 step, at N = 2 and 4; ``predict_messages`` gives the model's
+time for each of those messages from the measured pair. gloo on one CPU has no NVLink,
+network or second stream: what this checks is the collective-time law (latency + bus-
+convention bytes / bandwidth, summed over a step's messages), not overlap or scale.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from minifsdp.scale import PRESETS, Transformer
+
+LINKS = ("intra", "inter")
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """One GPU and its links (Note [hardware defaults]). FLOP/s, bytes/s, seconds."""
+
+    peak_flops: float = 989e12
+    achievable_flops: float = 794.5e12
+    intra_bw: float = 450e9
+    inter_bw: float = 50e9
+    intra_latency: float = 10e-6
+    inter_latency: float = 30e-6
+    gpus_per_node: int = 8
+
+    def link(self, level: str) -> tuple[float, float]:
+        """(bus bandwidth, latency) of ``"intra"`` or ``"inter"``."""
+        if level not in LINKS:
+            raise ValueError(f"unknown link {level!r}; expected one of {LINKS}")
+        return ((self.intra_bw, self.intra_latency) if level == "intra"
+                else (self.inter_bw, self.inter_latency))
+
+
+H100 = Hardware()
+LLAMA31_8B = Transformer(32, 4096, 32, 8, 14336, 128256, 8192)  # Llama 3.1 8B's config.json
+
+# What torchtitan reports for FSDP2 on H100s (pytorch/torchtitan docs/performance.md, Tables 1
+# and 3): Llama 3.1 8B, local batch 2, sequence 8192 (torchtitan's llama3_8b default),
+# selective activation checkpointing, no torch.compile, no Float8; tokens/s per GPU.
+PUBLISHED = [
+    {"model": "Llama 3.1 8B", "gpus": 8, "micro_batch": 2, "seq_len": 8192, "tps": 5762},
+    {"model": "Llama 3.1 8B", "gpus": 128, "micro_batch": 2, "seq_len": 8192, "tps": 5605},
+]
+PUBLISHED_URL = "https://github.com/pytorch/torchtitan/blob/main/docs/performance.md"
+
+
+# ---- compute ---------------------------------------------------------------------------------
+
+def _embedding_params(model: Transformer) -> int:
+    pos = model.max_seq_len * model.d_model if model.style == "gpt2" else 0
+    return pos + (0 if model.tie_embeddings else model.vocab_size * model.d_model)
+
+
+def forward_flops_per_token(model: Transformer, seq_len: int) -> tuple[float, float]:
+    """(one block, the head with the final norm): forward FLOPs per token (Note [model
+    FLOPs]). Three times their sum over the model is ``flops_per_token``."""
+    block = sum(math.prod(s) for s in model.block_shapes())
+    head = model.num_params() - _embedding_params(model) - model.n_layer * block
+    return 2 * block + 4 * model.d_model * seq_len, 2 * head
+
+
+def flops_per_token(model: Transformer, seq_len: int) -> float:
+    """Model FLOPs per token, forward + backward: ``6 Psi' + 12 L h s`` (Note [model FLOPs]).
+
+    Example:
+        >>> round(flops_per_token(LLAMA31_8B, 8192) / 1e9, 1)   # 6 x 7.5e9 + 12.9e9
+        57.9
+    """
+    block, head = forward_flops_per_token(model, seq_len)
+    return 3 * (model.n_layer * block + head)
+
+
+# ---- communication ---------------------------------------------------------------------------
+
+def bus_factor(op: str, n: int) -> float:
+    """Wire bytes per byte of the full tensor (Note [collective time]).
+
+    Example:
+        >>> bus_factor("all_reduce", 4), bus_factor("all_gather", 4)
+        (1.5, 0.75)
+    """
+    if op == "all_reduce":
+        return 2 * (n - 1) / n
+    if op in ("all_gather", "reduce_scatter"):
+        return (n - 1) / n
+    raise ValueError(f"unknown collective {op!r}; expected all_gather, reduce_scatter, all_reduce")
+
+
+def collective_time(op: str, full_bytes: float, n: int, busbw: float, latency: float) -> float:
+    """Seconds for one collective over ``n`` ranks of a ``full_bytes`` tensor (S: all-gather's
+    output, reduce-scatter's input, all-reduce's buffer): ``latency + bus_factor * S / busbw``;
+    0 for a group of one, which sends nothing.
+
+    Example:
+        >>> collective_time("all_gather", 8e9, 8, busbw=50e9, latency=0.0)   # 7e9 B at 50 GB/s
+        0.14
+    """
+    if n == 1:
+        return 0.0
+    return latency + bus_factor(op, n) * full_bytes / busbw
+
+
+def full_bytes(op: str, payload: float, n: int) -> float:
+    """S from ``minifsdp.comm``'s record ``bytes`` (the input payload: all-gather's input is
+    one shard, Note [bytes vs wire bytes])."""
+    return payload * n if op == "all_gather" else payload
+
+
+def predict_messages(messages: list[dict], latency: dict[str, float],
+                     busbw: dict[str, float]) -> list[float]:
+    """The model's seconds for each logged collective (``op``, ``bytes``, ``group_size``) given
+    a measured latency and bus bandwidth per op (Note [checking the time model on gloo])."""
+    return [collective_time(m["op"], full_bytes(m["op"], m["bytes"], m["group_size"]),
+                            m["group_size"], busbw[m["op"]], latency[m["op"]])
+            for m in messages]
+
+
+# ---- one step --------------------------------------------------------------------------------
+
+def schedule(model: Transformer, n_gpus: int, micro_batch: int, seq_len: int,
+             hw: Hardware = H100, shard: int | None = None, mp: bool = True,
+             activation_checkpointing: bool = True,
+             reshard_after_forward: bool = True) -> dict:
+    """The step as Note [exposed communication at scale] sees it: ``stretches`` (name, compute
+    s, comm s hidden behind it), the exposed edges ``first`` and ``last``, and every
+    ``collective`` (unit, op, S bytes, group size, link, seconds). ``shard``: HSDP's shard
+    group size (None: FSDP over all ``n_gpus``)."""
+    s_deg = n_gpus if shard is None else shard
+    if s_deg < 1 or n_gpus % s_deg:
+        raise ValueError(f"shard={shard}: must divide the {n_gpus} GPUs into equal groups")
+    r_deg, wire = n_gpus // s_deg, 2 if mp else 4  # replicas; bytes per element on the wire
+    shard_link = "intra" if s_deg <= hw.gpus_per_node else "inter"
+    rep_link = "intra" if n_gpus <= hw.gpus_per_node else "inter"
+    colls: list[dict] = []
+
+    def coll(unit: str, op: str, numel: int, n: int, link: str) -> float:
+        size = wire * numel
+        t = collective_time(op, size, n, *hw.link(link))
+        colls.append({"unit": unit, "op": op, "bytes": size, "n": n, "link": link, "seconds": t})
+        return t
+
+    root, block = (sum(math.prod(s) for s in u) for u in model.units()[:2])
+
+    def ag(unit: str) -> float:
+        return coll(unit, "all_gather", root if unit == "root" else block, s_deg, shard_link)
+
+    def rs(unit: str) -> float:  # HSDP: reduce-scatter in the node, all-reduce the 1/S slice
+        numel = root if unit == "root" else block
+        t = coll(unit, "reduce_scatter", numel, s_deg, shard_link)
+        return t + (coll(unit, "all_reduce", numel // s_deg, r_deg, rep_link) if r_deg > 1 else 0)
+
+    tokens, rate = micro_batch * seq_len, hw.achievable_flops
+    f_block, f_head = (tokens * f / rate for f in forward_flops_per_token(model, seq_len))
+    b_block = (3 if activation_checkpointing else 2) * f_block  # recompute + backward
+    blocks = [f"blocks.{i}" for i in range(model.n_layer)]
+    first = ag("root") + ag(blocks[0])
+    stretches = [(f"forward {b}", f_block, ag(blocks[i + 1]) if i + 1 < len(blocks) else 0.0)
+                 for i, b in enumerate(blocks)]
+    stretches.append(("forward head", f_head, 0.0))
+    last_ag = ag(blocks[-1]) if reshard_after_forward else 0.0
+    stretches.append(("backward head", 2 * f_head, last_ag))
+    for i in reversed(range(len(blocks))):
+        comm = ag(blocks[i - 1]) if reshard_after_forward and i > 0 else 0.0
+        comm += rs(blocks[i + 1]) if i + 1 < len(blocks) else 0.0
+        stretches.append((f"backward {blocks[i]}", b_block, comm))
+    last = rs(blocks[0]) + rs("root")
+    return {"stretches": stretches, "first": first, "last": last, "collectives": colls}
+
+
+def exposed_time(stretches: list[tuple[str, float, float]], first: float, last: float) -> float:
+    """``first + sum(max(0, comm - compute)) + last`` (Note [exposed communication at scale]).
+
+    Example:
+        >>> exposed_time([("a", 2.0, 1.0), ("b", 1.0, 3.0)], first=0.5, last=0.25)
+        2.75
+    """
+    return first + sum(max(0.0, comm - compute) for _, compute, comm in stretches) + last
+
+
+def step_time(model: Transformer, n_gpus: int, micro_batch: int, seq_len: int,
+              hw: Hardware = H100, shard: int | None = None, mp: bool = True,
+              activation_checkpointing: bool = True, reshard_after_forward: bool = True,
+              overlap: bool = True) -> dict[str, float]:
+    """Seconds of one step (one micro-batch of ``micro_batch x seq_len`` tokens per GPU) and
+    what follows from them. Keys: compute, comm (every collective's time), exposed, step
+    (= compute + exposed), mfu (model FLOPs / (step x peak)), tokens_per_s (per GPU),
+    comm_intra / comm_inter (seconds on each link).
+
+    Example:
+        >>> t = step_time(PRESETS["7B"], 8, 1, 4096)    # one node: NVLink hides the middle
+        >>> round(t["mfu"], 3)   # full checkpointing: 6/8 of 794.5/989, less the edges
+        0.598
+    """
+    plan = schedule(model, n_gpus, micro_batch, seq_len, hw, shard, mp,
+                    activation_checkpointing, reshard_after_forward)
+    compute = sum(c for _, c, _ in plan["stretches"])
+    comm = sum(c["seconds"] for c in plan["collectives"])
+    exposed = (exposed_time(plan["stretches"], plan["first"], plan["last"]) if overlap
+               else comm)
+    step = compute + exposed
+    tokens = micro_batch * seq_len
+    return {"compute": compute, "comm": comm, "exposed": exposed, "step": step,
+            "mfu": flops_per_token(model, seq_len) * tokens / (step * hw.peak_flops),
+            "tokens_per_s": tokens / step,
+            **{f"comm_{lv}": sum(c["seconds"] for c in plan["collectives"] if c["link"] == lv)
+               for lv in LINKS}}
+
+
+def published_mfu(row: dict, model: Transformer = LLAMA31_8B, hw: Hardware = H100) -> float:
+    """A published tokens/s per GPU as MFU, with this module's FLOPs and ``hw.peak_flops``."""
+    return row["tps"] * flops_per_token(model, row["seq_len"]) / hw.peak_flops
+
+
+__all__ = ["H100", "LLAMA31_8B", "PRESETS", "PUBLISHED", "PUBLISHED_URL", "Hardware",
+           "bus_factor", "collective_time", "exposed_time", "flops_per_token",
+           "forward_flops_per_token", "full_bytes", "predict_messages", "published_mfu",
+           "schedule", "step_time"]
