@@ -17,7 +17,7 @@ else, so autograd keeps no unsharded parameter, and backward all-gathers again
 It pays under compile only. The partitioner sees the backward graph and saves, of the "save"
 ops, those backward reads; eager checkpointing cannot know what its recompute will ask for
 and caches the output of *every* "save" op. Measured (chapter 10, N = 2): compiled, resharding
-has the lowest peak of all variants; eager, it peaks above keeping.
+has the lowest peak of the compiled variants; eager, it peaks above keeping.
 
 Note [one collective per parameter]: eager SimpleFSDP gathers and reduces each parameter
 alone (FSDPParamGroup does one flat collective per group); grouping them into buckets and
