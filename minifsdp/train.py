@@ -119,6 +119,9 @@ def _fsdp1(model, info, args):
         **fsdp1_knobs(args, fsdp1.MixedPrecision, fsdp1.BackwardPrefetch, torch_default=None))
 
 
+FSDP1_PREFETCH = ("none", "backward_pre", "backward_post")
+
+
 def fsdp1_knobs(args, mp_cls, prefetch_cls, torch_default: str | None) -> dict:
     """FSDP1's ``mixed_precision``, ``backward_prefetch`` and ``forward_prefetch`` from
     ``--param-dtype``, ``--reduce-dtype``, ``--buffer-dtype``, ``--backward-prefetch`` and
@@ -129,8 +132,11 @@ def fsdp1_knobs(args, mp_cls, prefetch_cls, torch_default: str | None) -> dict:
     out: dict = {"forward_prefetch": args.forward_prefetch == "implicit"}
     if names != (None, None, None):
         out["mixed_precision"] = mp_cls(*(DTYPES[n] if n else None for n in names))
-    bp = args.backward_prefetch or torch_default
-    if args.backward_prefetch is not None or torch_default is not None:
+    # FSDP2's values (implicit, explicit: parse_args's default for the other strategies) set
+    # nothing here: the library's own default holds.
+    asked = args.backward_prefetch if args.backward_prefetch in FSDP1_PREFETCH else None
+    bp = asked or torch_default
+    if bp is not None:
         out["backward_prefetch"] = None if bp == "none" else prefetch_cls[bp.upper()]
     return out
 
