@@ -42,15 +42,22 @@ def launched(request) -> dict[object, Future]:
 
 
 @pytest.fixture(scope="module")
-def cpu_mesh():
-    """A 1-D CPU ``DeviceMesh`` over a world of one, in this process (for DTensor unit tests);
-    the process group is created and destroyed here unless one exists already."""
+def one_rank():
+    """A gloo process group of one, in this process (for in-process tests of code that asks
+    for its rank and world size); created and destroyed here unless one exists already."""
     import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
 
     created = not dist.is_initialized()
     if created:
         dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
-    yield init_device_mesh("cpu", (1,))
+    yield
     if created:
         dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def cpu_mesh(one_rank):
+    """A 1-D CPU ``DeviceMesh`` over a world of one, in this process (for DTensor unit tests)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh("cpu", (1,))

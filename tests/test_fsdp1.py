@@ -39,7 +39,6 @@ from typing import NamedTuple
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
@@ -324,16 +323,6 @@ def test_memory_of_full_shard(train_run):
 
 
 # ---- in process, one rank ---------------------------------------------------------------------
-
-@pytest.fixture(scope="module")
-def one_rank():
-    created = not dist.is_initialized()
-    if created:
-        dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
-    yield
-    if created:
-        dist.destroy_process_group()
-
 
 def mlp() -> nn.Module:
     torch.manual_seed(0)

@@ -28,7 +28,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
 from minifsdp import fsdp1
@@ -229,16 +228,6 @@ def test_frozen_parameters_bit_for_bit_with_torch_fsdp1(launched, n):
 
 
 # ---- in process, one rank: bad input -----------------------------------------------------------
-
-@pytest.fixture(scope="module")
-def one_rank():
-    created = not dist.is_initialized()
-    if created:
-        dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
-    yield
-    if created:
-        dist.destroy_process_group()
-
 
 INNER = fsdp1.transformer_auto_wrap_policy({nn.Sequential})  # the root is never asked
 
