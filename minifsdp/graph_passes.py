@@ -9,8 +9,8 @@ them as plain Python, as ``aot_eager`` does. In those graphs each parameter read
 
     bucket_all_gathers    a block's all-gathers -> one all-gather of the concatenated shards
                           (chapter 05's flat copy-in / copy-out, done by the compiler)
-    prefetch_all_gathers  each block's all-gathers issued before the previous block computes
-                          (chapter 06's prefetch, done by moving nodes)
+    prefetch_all_gathers  each block's (bucketed) all-gather issued before the previous block
+                          computes (chapter 06's prefetch, done by moving nodes)
 
 Both only copy bytes and move nodes, so results stay bitwise. Graphs without FSDP collectives
 (no all-gather the labelling traced to a parameter) pass through untouched.
@@ -77,6 +77,18 @@ def collectives(gm: fx.GraphModule) -> list[tuple[str, tuple, str | None]]:
     """The graph's collectives in issue order: ``(op, output shape, parameter or None)``."""
     return [(n.target.__name__.split(".")[0], tuple(n.meta["val"].shape), n.meta.get("param"))
             for n in gm.graph.nodes if n.target in (AG, RS, AR)]
+
+
+def schedule(gm: fx.GraphModule) -> list[str]:
+    """Issues and waits of the labelled all-gathers, by block, in graph order:
+    ``["AG root", "W root", "AG blocks.0", ...]`` -- where a prefetch shows (an ``AG`` before
+    the previous block's ``W``)."""
+    out = []
+    for n in gm.graph.nodes:
+        ag = n.args[0] if n.target is WAIT else n
+        if ag.target is AG and ag.meta.get("param") is not None:
+            out.append(f"{'W' if n is not ag else 'AG'} {block_of(ag.meta['param']) or 'root'}")
+    return out
 
 
 def _groups(gm: fx.GraphModule, group: Callable[[str], str]) -> list[list[fx.Node]]:
@@ -162,16 +174,36 @@ def bucket_run(g: fx.Graph, run: list[fx.Node]) -> None:
 
 
 def prefetch_all_gathers(gm: fx.GraphModule, group: Callable[[str], str] = block_of):
-    """Issue each run's all-gathers just before the previous run's first wait: block i + 1's
-    parameters travel while block i computes (its waits stay where they are).
+    """Issue each run's all-gather just before the previous run's first wait: block i + 1's
+    parameters travel while block i computes (its wait stays where it is). Run it after
+    ``bucket_all_gathers``: a block must be one all-gather (Note [collectives in flight]).
 
     Assumes the all-gathers' inputs depend only on graph inputs (shards; their casts and pads
     move along). Costs memory: one more block's unsharded parameters live at a time.
+
+    Note [collectives in flight]: FSDP2 prefetches one flat all-gather per group, so at most
+    two are in flight. Hoisting a block's per-parameter all-gathers instead puts all of them
+    in flight at once (24 in this chapter's forward), and torch 2.14's gloo does not survive
+    that: its ``allgather_into_tensor_coalesced``, which every functional all-gather calls,
+    corrupts the heap when several are in flight (measured, 2 ranks, 4000 steps: 8 in flight,
+    3 of 3 runs aborted with ``malloc(): unaligned tcache chunk detected`` or hung; 2 in flight,
+    0 of 3; ``dist.all_gather_into_tensor`` with 8 in flight, 0 of 3; in the core dump we
+    caught, both of gloo's worker threads were inside it).
+    So the pass prefetches buckets, as SimpleFSDP reorders bucketed collectives, and refuses
+    a block of several all-gathers rather than let a run crash or hang.
     """
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     runs = _groups(gm, group)
+    for run in runs:
+        if len(run) > 1:
+            block = group(run[0].meta["param"]) or "the root"
+            raise ValueError(
+                f"prefetch_all_gathers: {block} has {len(run)} all-gathers in a row "
+                f"({run[0].meta['param']}, ...); bucket them first (bucket_all_gathers): "
+                "prefetching them one by one puts them all in flight, which gloo's "
+                "allgather_into_tensor_coalesced does not survive (Note [collectives in "
+                "flight] in minifsdp/graph_passes.py)")
     for prev, run in zip(runs, runs[1:]):
-        anchor = min((_wait_of(a) for a in prev), key=order.get)
-        for a in run:
-            _hoist(a, anchor, order)
+        anchor = _wait_of(prev[0])
+        _hoist(run[0], anchor, order)
     return _done(gm)

@@ -87,11 +87,14 @@ def test_passes_change_collectives_as_documented(runs):
     # bw: root back, 2 blocks); reduce-scatters untouched
     assert counts(run, "bucket") == {"forward": (4, 0), "backward": (3, GPT_PARAMS)}
     assert counts(run, "both") == counts(run, "bucket")
-    assert counts(run, "prefetch") == none  # moves, never merges
     p = run["prefetched"]
     assert not any(p["none"]["forward"]) and not any(p["bucket"]["forward"])
-    for name in ("prefetch", "both"):
-        assert all(p[name]["forward"]) and all(p[name]["backward"]), (name, p[name])
+    assert all(p["both"]["forward"]) and all(p["both"]["backward"]), p["both"]
+    # unbucketed, prefetch refuses (Note [collectives in flight]), naming the first block
+    refused = run["prefetch_unbucketed"]
+    assert set(refused) == {"forward", "backward"}, refused
+    assert refused["forward"].startswith("prefetch_all_gathers: the root has 2 all-gathers")
+    assert "bucket them first" in refused["backward"], refused
     assert counts(runs[3][0], "both") == counts(run, "both")
 
 

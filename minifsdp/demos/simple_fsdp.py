@@ -12,8 +12,9 @@ same batches in every variant. Per rank it reports:
 - ``at_rest``: bytes of the sharded parameters; ``eager_counts``: collectives per phase;
   ``hook_order``: our ``fully_shard``'s collectives of one step (from the comm log, by group);
 - with ``--compile``: SimpleFSDP compiled with each set of passes (``VARIANTS``): the forward
-  and backward graphs' collectives, compiled == eager bitwise, compile seconds; and
-  ``measured``, every variant eager and compiled side by side: step seconds, collectives and
+  and backward graphs' collectives, the forward's ``schedule``, compiled == eager bitwise,
+  compile seconds, the error with which ``prefetch_all_gathers`` refuses an unbucketed graph;
+  and ``measured``, every variant eager and compiled side by side: step seconds, collectives and
   wire bytes of one step, its exposed communication and its peak memory (``measure``);
 - with ``--inductor``: the same model under ``backend="inductor"``: compile seconds and
   bitwise equality with eager, or the exception's type and first line.
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import os
 import statistics
 import tempfile
@@ -164,21 +166,20 @@ def eager(rank, n, steps) -> dict:
     return out
 
 
-PASSES = {"none": (), "bucket": (gp.bucket_all_gathers,), "prefetch": (gp.prefetch_all_gathers,),
+PASSES = {"none": (), "bucket": (gp.bucket_all_gathers,),
           "both": (gp.bucket_all_gathers, gp.prefetch_all_gathers)}
 # what section 4 measures: name -> (build kind, passes; None = eager)
 VARIANTS = {"simple": ("simple", None), "simple_keep": ("simple_keep", None),
             "ours": ("ours", None), "ours_prefetch": ("ours_prefetch", None),
             "compiled": ("simple", "none"), "compiled_keep": ("simple_keep", "none"),
-            "compiled_bucket": ("simple", "bucket"), "compiled_prefetch": ("simple", "prefetch"),
-            "compiled_both": ("simple", "both")}
+            "compiled_bucket": ("simple", "bucket"), "compiled_both": ("simple", "both")}
 
 
 def compiled(rank, n, steps, reference) -> dict:
     """Compile SimpleFSDP with each set of passes (``VARIANTS``): the graphs' collectives,
     compiled == eager bitwise over ``steps`` AdamW steps, compile seconds. Returns the models
     too, for ``measure``."""
-    out = {"collectives": {}, "compiled": {}, "compile_s": {}, "_models": {}}
+    out = {"collectives": {}, "schedule": {}, "compiled": {}, "compile_s": {}, "_models": {}}
     for name, (kind, passes) in VARIANTS.items():
         if passes is None:
             continue
@@ -190,6 +191,12 @@ def compiled(rank, n, steps, reference) -> dict:
         out["compiled"][name] = same((losses, full(model)), reference)
         if kind == "simple":
             out["collectives"][passes] = {k: gp.collectives(g) for k, g in graphs[:2]}
+            out["schedule"][passes] = gp.schedule(graphs[0][1])
+        if passes == "none":  # prefetch without buckets: refused (Note [collectives in flight])
+            try:
+                gp.prefetch_all_gathers(copy.deepcopy(graphs[0][1]))
+            except ValueError as e:
+                out["prefetch_unbucketed"] = str(e)
         out["_models"][name] = (run, model)
     return out
 
