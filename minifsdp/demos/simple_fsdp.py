@@ -192,11 +192,11 @@ def compiled(rank, n, steps, reference) -> dict:
         if kind == "simple":
             out["collectives"][passes] = {k: gp.collectives(g) for k, g in graphs[:2]}
             out["schedule"][passes] = gp.schedule(graphs[0][1])
-        if passes == "none":  # prefetch without buckets: refused (Note [collectives in flight])
-            try:
-                gp.prefetch_all_gathers(copy.deepcopy(graphs[0][1]))
-            except ValueError as e:
-                out["prefetch_unbucketed"] = str(e)
+            if passes == "none":  # prefetch without buckets: refused (Note [collectives in flight])
+                try:
+                    gp.prefetch_all_gathers(copy.deepcopy(graphs[0][1]))
+                except ValueError as e:
+                    out["prefetch_unbucketed"] = str(e)
         out["_models"][name] = (run, model)
     return out
 

@@ -193,15 +193,11 @@ def logged_step(run, model) -> dict:
 def prefetched(gm) -> list[bool]:
     """Blocks in order of their first all-gather (the root's parameters count as one block):
     per consecutive pair, is every all-gather of the later block issued before the earlier
-    block's first wait?"""
-    order, first_wait, ags = {n: i for i, n in enumerate(gm.graph.nodes)}, {}, {}
-    for n in gm.graph.nodes:
-        if n.target is gp.AG and n.meta.get("param"):
-            key = gp.block_of(n.meta["param"])
-            ags.setdefault(key, []).append(order[n])
-            first_wait[key] = min(first_wait.get(key, 1 << 30), order[gp._wait_of(n)])
-    keys = list(ags)
-    return [max(ags[b]) < first_wait[a] for a, b in zip(keys, keys[1:])]
+    block's first wait? (from ``gp.schedule``)"""
+    sched = gp.schedule(gm)
+    keys = list(dict.fromkeys(e.split()[1] for e in sched if e.startswith("AG")))
+    last_ag = {e.split()[1]: i for i, e in enumerate(sched) if e.startswith("AG")}
+    return [last_ag[b] < sched.index(f"W {a}") for a, b in zip(keys, keys[1:])]
 
 
 def measure() -> dict:
