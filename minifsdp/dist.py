@@ -7,10 +7,23 @@ Every worker in the series is launched by ``torchrun`` and follows the same life
     ...train...
     finish({"losses": losses})       # write runs/.../rank{r}.json, barrier, tear down, exit
 
-Note [one code path for CPU and GPU]: ``dist_setup`` picks ``nccl`` + ``cuda:LOCAL_RANK``
-when CUDA is available and ``gloo`` + ``cpu`` otherwise; everything downstream takes
-``info.device`` and never asks again. The same worker therefore runs on a 2-core laptop, an
-8-GPU box and a multi-node cluster (``torchrun --nnodes``): only the launch command changes.
+Note [one code path for CPU and GPU]: one rule, ``choose_backend``, decides per job where
+its ranks run: NCCL with ``cuda:LOCAL_RANK`` when CUDA is available and every local rank has a
+GPU of its own (local ranks <= visible GPUs), else gloo with CPU tensors -- NCCL cannot put two
+ranks on one GPU, so 4 ranks on a 1-GPU machine run on CPU. ``MINIFSDP_BACKEND=gloo|nccl``
+overrides it. The launcher applies the rule once and says so in one line (``BackendChoice.line``,
+e.g. "4 ranks, 1 GPU: this job runs on CPU with gloo"); ``dist_setup`` applies the same rule to
+torchrun's ``LOCAL_WORLD_SIZE``; everything downstream takes ``info.device`` and never asks
+again. The same worker therefore runs on a 2-core laptop, a 1-GPU box, an 8-GPU box and a
+multi-node cluster (``torchrun --nnodes``): only the launch command changes.
+
+Note [bitwise on CUDA]: on a GPU ``dist_setup`` makes kernels deterministic -- ``torch.
+use_deterministic_algorithms`` (warn-only), ``CUBLAS_WORKSPACE_CONFIG=:4096:8``, TF32 off for
+matmuls and convolutions, cuDNN's autotuner off -- because every job of the series compares
+bits with torch's implementation: two runs of the same operations in the same order then agree
+to the last bit, as they do on a CPU. ``MINIFSDP_DETERMINISTIC=0`` turns it off (benchmarks).
+A comparison of one process with N processes is *not* bitwise on GPUs even so: a different
+batch size gives cuBLAS other kernels and other summation orders.
 
 Note [timeouts]: every process group is created with a timeout (``MINIFSDP_PG_TIMEOUT``
 seconds, 120 by default). A rank that dies or hangs makes its peers' collectives raise
@@ -56,11 +69,92 @@ class DistInfo:
         return self.rank == 0
 
 
-def pick_backend() -> tuple[str, str]:
-    """``("nccl", "cuda")`` when GPUs are visible, else ``("gloo", "cpu")``."""
-    if torch.cuda.is_available():
-        return "nccl", "cuda"
-    return "gloo", "cpu"
+BACKENDS = ("gloo", "nccl")
+
+
+@dataclass(frozen=True)
+class BackendChoice:
+    """Where a job of ``local_ranks`` ranks per machine runs, and why (``line``)."""
+
+    backend: str        # "nccl" or "gloo"
+    device_type: str    # "cuda" or "cpu"
+    local_ranks: int
+    gpus: int           # CUDA devices visible here
+    forced: bool        # MINIFSDP_BACKEND decided, not the rule
+
+    @property
+    def line(self) -> str:
+        """One line for the reader, e.g. ``4 ranks, 1 GPU: this job runs on CPU with gloo``."""
+        n = f"{self.local_ranks} rank{'s' * (self.local_ranks != 1)}"
+        g = "no GPU" if self.gpus == 0 else f"{self.gpus} GPU{'s' * (self.gpus != 1)}"
+        if self.backend == "nccl":
+            where = ("NCCL, rank r on cuda:r" if self.local_ranks > 1 else "NCCL on cuda:0")
+        else:
+            where = "CPU with gloo"
+        why = ""
+        if self.forced:
+            why = f" (MINIFSDP_BACKEND={self.backend})"
+        elif self.backend == "gloo" and self.gpus:
+            why = " (NCCL needs a GPU per rank)"
+        return f"{n}, {g}: this job runs on {where}{why}"
+
+
+def visible_gpus() -> int:
+    """CUDA devices this process can use (0 without CUDA)."""
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def choose_backend(local_ranks: int, gpus: int | None = None,
+                   override: str | None = None) -> BackendChoice:
+    """The one backend rule (Note [one code path for CPU and GPU]).
+
+    Args:
+        local_ranks: ranks this job starts on this machine (torchrun's ``--nproc-per-node``).
+        gpus: visible CUDA devices (default: ask torch).
+        override: ``"gloo"`` or ``"nccl"`` (default: ``$MINIFSDP_BACKEND``, if set).
+
+    Example:
+        >>> choose_backend(4, gpus=1, override="").line
+        '4 ranks, 1 GPU: this job runs on CPU with gloo (NCCL needs a GPU per rank)'
+        >>> choose_backend(4, gpus=4, override="").backend
+        'nccl'
+    """
+    gpus = visible_gpus() if gpus is None else gpus
+    if override is None:
+        override = os.environ.get("MINIFSDP_BACKEND", "")
+    if override and override not in BACKENDS:
+        raise ValueError(f"MINIFSDP_BACKEND={override!r}: expected one of {', '.join(BACKENDS)}")
+    if override == "nccl" and local_ranks > gpus:
+        raise RuntimeError(
+            f"MINIFSDP_BACKEND=nccl with {local_ranks} local ranks, but {gpus} GPU(s) are "
+            "visible: NCCL needs a GPU per rank. Use fewer ranks, or unset MINIFSDP_BACKEND "
+            "(the job then runs on CPU with gloo).")
+    if override:
+        backend = override
+    else:
+        backend = "nccl" if 0 < local_ranks <= gpus else "gloo"
+    return BackendChoice(backend, "cuda" if backend == "nccl" else "cpu", local_ranks, gpus,
+                         bool(override))
+
+
+def describe_machine() -> str:
+    """One line for a notebook's first cell: what this machine's jobs will run on.
+
+    Example (a 2-core laptop):
+        >>> describe_machine()                # doctest: +SKIP
+        'this machine: torch 2.14.1, no GPU: every job runs on CPU with gloo'
+    """
+    gpus = visible_gpus()
+    forced = os.environ.get("MINIFSDP_BACKEND", "")
+    head = f"this machine: torch {torch.__version__}, "
+    if forced:
+        return head + f"MINIFSDP_BACKEND={forced}: every job runs on {forced}"
+    if gpus == 0:
+        return head + "no GPU: every job runs on CPU with gloo"
+    name = torch.cuda.get_device_name(0)
+    return head + (f"{gpus} GPU{'s' * (gpus != 1)} ({name}): a job of up to {gpus} "
+                   f"rank{'s' * (gpus != 1)} runs on NCCL, one GPU each; a larger job on CPU "
+                   "with gloo")
 
 
 def dist_setup(backend: str | None = None, timeout_s: float | None = None) -> DistInfo:
@@ -78,14 +172,13 @@ def dist_setup(backend: str | None = None, timeout_s: float | None = None) -> Di
     if dist.is_initialized():
         raise RuntimeError("dist_setup() called twice: the default process group already exists")
     _install_stack_dumps()
-    default_backend, device_type = pick_backend()
-    backend = backend or os.environ.get("MINIFSDP_BACKEND") or default_backend
-    if backend == "gloo":
-        device_type = "cpu"
     timeout_s = timeout_s or float(os.environ.get("MINIFSDP_PG_TIMEOUT", DEFAULT_PG_TIMEOUT_S))
     timeout = datetime.timedelta(seconds=timeout_s)
+    torchrun_job = "RANK" in os.environ
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", 1)) if torchrun_job else 1
+    choice = choose_backend(local_ranks, override=backend)
 
-    if "RANK" in os.environ:
+    if torchrun_job:
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         local_rank = int(os.environ.get("LOCAL_RANK", rank))
         expected = os.environ.get("MINIFSDP_EXPECT_WORLD_SIZE")
@@ -93,32 +186,55 @@ def dist_setup(backend: str | None = None, timeout_s: float | None = None) -> Di
             raise RuntimeError(
                 f"this job expects world size {expected} but torchrun started {world} processes"
             )
-        device = torch.device("cuda", local_rank) if device_type == "cuda" else torch.device("cpu")
-        if device.type == "cuda":
-            if local_rank >= torch.cuda.device_count():
-                raise RuntimeError(
-                    f"local rank {local_rank} has no GPU: {torch.cuda.device_count()} visible. "
-                    "Use --nproc-per-node <= number of GPUs, or MINIFSDP_BACKEND=gloo for CPU."
-                )
-            torch.cuda.set_device(device)
-            dist.init_process_group(backend, timeout=timeout, device_id=device)
-        else:
-            dist.init_process_group(backend, timeout=timeout)
     else:  # a single process, e.g. a notebook cell: a world of one
         rank, world, local_rank = 0, 1, 0
-        device = torch.device("cuda", 0) if device_type == "cuda" else torch.device("cpu")
-        dist.init_process_group(
-            backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout
-        )
+    if rank == 0 and torchrun_job and not os.environ.get("MINIFSDP_LAUNCHER"):
+        print(choice.line, flush=True)  # run by hand: say where (the launcher said it already)
+    if choice.device_type == "cuda":
+        if local_rank >= torch.cuda.device_count():
+            raise RuntimeError(
+                f"local rank {local_rank} has no GPU: {torch.cuda.device_count()} visible. "
+                "Use --nproc-per-node <= number of GPUs, or MINIFSDP_BACKEND=gloo for CPU."
+            )
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+        if os.environ.get("MINIFSDP_DETERMINISTIC", "1") != "0":
+            make_deterministic()
+    else:
+        device = torch.device("cpu")
+    if torchrun_job:
+        dist.init_process_group(choice.backend, timeout=timeout,
+                                **({"device_id": device} if device.type == "cuda" else {}))
+    else:
+        dist.init_process_group(choice.backend, store=dist.HashStore(), rank=0, world_size=1,
+                                timeout=timeout)
+    backend = choice.backend
     return DistInfo(rank, world, local_rank, device, backend)
 
 
 def _install_stack_dumps() -> None:
     """Make a stuck worker explain itself: on SIGUSR1 (sent by the launcher on timeout) or
     SIGTERM (sent by torchrun when a peer failed) print every thread's Python stack to
-    stderr, which the launcher shows. ``chain=True`` keeps SIGTERM's default action."""
+    stderr, which the launcher shows. ``chain=True`` keeps SIGTERM's default action.
+    Windows has neither ``faulthandler.register`` nor SIGUSR1: there a hang is still ended by
+    the process group's timeout, without the stacks."""
+    if not hasattr(faulthandler, "register") or not hasattr(signal, "SIGUSR1"):
+        return
     faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
     faulthandler.register(signal.SIGTERM, file=sys.stderr, all_threads=True, chain=True)
+
+
+def make_deterministic() -> None:
+    """CUDA kernels that give the same bits for the same operations (Note [bitwise on CUDA]).
+
+    ``CUBLAS_WORKSPACE_CONFIG`` must be set before cuBLAS starts, i.e. before the first
+    matmul: ``dist_setup`` calls this before any model exists."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    torch.backends.cudnn.benchmark = False
+    torch.backends.cudnn.deterministic = True
 
 
 def seed_everything(seed: int) -> None:
@@ -141,14 +257,25 @@ PROGRESS_TAG = "@minifsdp-progress "
 
 
 def report_progress(step: int, total: int, **metrics: float) -> None:
-    """Tell the launcher how far this run is (rank 0 only). Shown as a progress bar.
+    """How far this run is, from rank 0 (other ranks say nothing).
 
-    Example: ``report_progress(10, 100, loss=0.31)`` -> bar at 10/100 with ``loss=0.31``.
+    Under ``minifsdp.launch`` (which sets ``MINIFSDP_LAUNCHER``) it writes one machine-readable line
+    that the launcher turns into a progress bar; run by hand (``torchrun ... -m
+    minifsdp.train``) it logs a line for a person about every 10% of the run.
+
+    Example: ``report_progress(10, 100, loss=0.31)`` -> ``step 10/100 (10%) loss=0.31``.
     """
     if dist.is_initialized() and dist.get_rank() != 0:
         return
-    payload = {"step": step, "total": total, **{k: float(v) for k, v in metrics.items()}}
-    print(PROGRESS_TAG + json.dumps(payload), flush=True)
+    if os.environ.get("MINIFSDP_LAUNCHER"):
+        payload = {"step": step, "total": total, **{k: float(v) for k, v in metrics.items()}}
+        print(PROGRESS_TAG + json.dumps(payload), flush=True)
+        return
+    every = max(1, total // 10)
+    if step == total or step == 1 or step % every == 0:
+        shown = " ".join(f"{k}={float(v):.4g}" for k, v in metrics.items())
+        print(f"step {step}/{total} ({100 * step // max(total, 1)}%) {shown}".rstrip(),
+              flush=True)
 
 
 def results_dir() -> Path:

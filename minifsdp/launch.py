@@ -64,7 +64,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from minifsdp.dist import PROGRESS_TAG
+from minifsdp.dist import PROGRESS_TAG, BackendChoice, choose_backend
 
 
 class WorkerError(RuntimeError):
@@ -85,7 +85,8 @@ class RunResult:
     """What a finished job left behind.
 
     ``ranks[r]`` is rank r's JSON (``None`` if it wrote none), ``stdout[r]`` its printed
-    output, ``wall_s`` the job's wall time including process start-up.
+    output, ``wall_s`` the job's wall time including process start-up, ``backend`` where it
+    ran (``backend.line`` says it in words, Note [one code path for CPU and GPU]).
     """
 
     name: str
@@ -93,6 +94,7 @@ class RunResult:
     ranks: list[Any]
     stdout: dict[int, str] = field(repr=False)
     wall_s: float
+    backend: BackendChoice | None = None
 
     def print_logs(self, ranks: list[int] | None = None) -> None:
         """Print what each rank printed (progress lines omitted), prefixed by its rank."""
@@ -131,7 +133,11 @@ def torchrun(
         pg_timeout: seconds a collective may wait for a peer (``MINIFSDP_PG_TIMEOUT``).
         progress: show a progress bar from the worker's ``report_progress`` calls
             (default: in a terminal or a notebook).
-        env: extra environment variables for the workers.
+        env: extra environment variables for the workers (``MINIFSDP_BACKEND`` among them
+            overrides the backend rule).
+
+    Where the job runs is decided here, once, by ``minifsdp.dist.choose_backend(nproc)``
+    and handed to every worker as ``MINIFSDP_BACKEND``; ``run.backend.line`` says it.
 
     Example:
         >>> run = torchrun("minifsdp.demos.collectives", "--demo", "collectives", nproc=2)
@@ -149,10 +155,13 @@ def torchrun(
            "--monitor-interval", "0.1"]
     cmd += [target] if target.endswith(".py") else ["-m", target]
     cmd += [str(a) for a in args]
-    child_env = _worker_env(out_dir, env, pg_timeout)
+    choice = _choice(nproc, env)
+    child_env = _worker_env(out_dir, env, pg_timeout, choice)
 
     if progress is None:  # a terminal or a notebook: someone is watching
         progress = sys.stderr.isatty() or "ipykernel" in sys.modules
+    if progress:
+        _say_where(choice)
     bar = _ProgressBar(name, log_dir) if progress else None
     t0 = time.perf_counter()
     # start_new_session: the job gets its own process group, so a kill reaches every worker.
@@ -183,7 +192,7 @@ def torchrun(
     for r in range(nproc):
         path = out_dir / f"rank{r}.json"
         ranks.append(json.loads(path.read_text()) if path.exists() else None)
-    return RunResult(name, out_dir, ranks, stdout, wall)
+    return RunResult(name, out_dir, ranks, stdout, wall, choice)
 
 
 def torchrun_all(jobs: dict[str, tuple[str, int, tuple]], *, parallel: int = 2,
@@ -275,9 +284,14 @@ def torchrun_multinode(
         s.bind(("localhost", 0))
         port = s.getsockname()[1]
     run_id = f"{name}-{os.getpid()}-{time.time_ns()}"
-    child_env = _worker_env(out_dir, env, pg_timeout)
+    # every simulated node is on this machine: the rule counts all their ranks, and on NCCL
+    # each node sees only its own GPUs (as a real node would), so no two ranks share cuda:0
+    choice = _choice(nnodes * nproc_per_node, env)
+    child_env = _worker_env(out_dir, env, pg_timeout, choice)
     worker = [target] if target.endswith(".py") else ["-m", target]
     log_dirs, procs = [], []
+    if sys.stderr.isatty() or "ipykernel" in sys.modules:
+        _say_where(choice)
     t0 = time.perf_counter()
     for i in range(nnodes):
         log_dirs.append(out_dir / "logs" / f"node{i}")
@@ -289,8 +303,11 @@ def torchrun_multinode(
                "--redirects", "3", "--log-dir", str(log_dirs[-1]), "--monitor-interval", "0.1",
                *[str(a) for a in (node_options[i] if node_options else ())],
                *worker, *[str(a) for a in args]]
+        node_env = dict(child_env)
+        if choice.backend == "nccl":
+            node_env["CUDA_VISIBLE_DEVICES"] = _gpu_slice(i, nproc_per_node)
         with open(out_dir / "logs" / f"launcher{i}.txt", "w") as f:  # a file: never blocks
-            procs.append(subprocess.Popen(cmd, env=child_env, stdout=f, stderr=subprocess.STDOUT,
+            procs.append(subprocess.Popen(cmd, env=node_env, stdout=f, stderr=subprocess.STDOUT,
                                           stdin=subprocess.DEVNULL, start_new_session=True))
 
     def logs(stream: str) -> dict[int, str]:
@@ -345,16 +362,39 @@ def torchrun_multinode(
     for r in range(nnodes * nproc_per_node):
         path = out_dir / f"rank{r}.json"
         ranks.append(json.loads(path.read_text()) if path.exists() else None)
-    return RunResult(name, out_dir, ranks, logs("stdout"), wall)
+    return RunResult(name, out_dir, ranks, logs("stdout"), wall, choice)
 
 
-def _worker_env(out_dir: Path, env: dict[str, str] | None,
-                pg_timeout: float | None) -> dict[str, str]:
+def _choice(local_ranks: int, env: dict[str, str] | None) -> BackendChoice:
+    """The backend rule for a job of ``local_ranks`` ranks on this machine; a
+    ``MINIFSDP_BACKEND`` in the job's own ``env`` wins over the launcher's environment."""
+    override = (env or {}).get("MINIFSDP_BACKEND")
+    return choose_backend(local_ranks, override=override)
+
+
+def _say_where(choice: BackendChoice) -> None:
+    """Print the job's one line about where it runs. A notebook on a machine without GPUs
+    stays quiet: its first cell said it once for every job (``dist.describe_machine``)."""
+    if "ipykernel" not in sys.modules or choice.gpus:
+        print(choice.line, flush=True)
+
+
+def _gpu_slice(node: int, per_node: int) -> str:
+    """``CUDA_VISIBLE_DEVICES`` for simulated node ``node``: its own ``per_node`` GPUs, as
+    numbered in this process's ``CUDA_VISIBLE_DEVICES`` (or all devices)."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    ids = visible.split(",") if visible else [str(i) for i in range(1 << 10)]
+    return ",".join(ids[node * per_node:(node + 1) * per_node])
+
+
+def _worker_env(out_dir: Path, env: dict[str, str] | None, pg_timeout: float | None,
+                choice: BackendChoice) -> dict[str, str]:
     """The workers' environment: one thread each (ranks share the cores), results into
-    ``out_dir``, and *this* checkout's minifsdp first on the path (a notebook's cwd is
-    notebooks/)."""
+    ``out_dir``, the backend the rule chose, progress as protocol lines for ``_ProgressBar``,
+    and *this* checkout's minifsdp first on the path (a notebook's cwd is notebooks/)."""
     child_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
-                 "MINIFSDP_OUT": str(out_dir), **(env or {})}
+                 "MINIFSDP_OUT": str(out_dir), "MINIFSDP_LAUNCHER": "1", **(env or {}),
+                 "MINIFSDP_BACKEND": choice.backend}
     child_env["PYTHONPATH"] = os.pathsep.join(
         p for p in (str(Path(__file__).resolve().parent.parent), child_env.get("PYTHONPATH")) if p
     )
