@@ -12,6 +12,7 @@ jobs it reads. The module declares:
     LAUNCH_OPTIONS (optional)           extra keyword arguments for ``torchrun``
 """
 
+import os
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import pytest
@@ -19,6 +20,39 @@ import pytest
 from minifsdp.launch import torchrun
 
 GLOO = {"MINIFSDP_BACKEND": "gloo"}  # CPU collectives, also on a machine with GPUs
+
+
+@pytest.fixture(scope="module", autouse=True)
+def cpu_facts():
+    """Pin gloo and CPU tensors for every test module here, on every machine.
+
+    The tests' oracles are CPU facts: exact byte counts of CPU tensors, gloo's collectives,
+    bitwise equalities measured on this CPU. On a machine with GPUs the backend rule (Note [one
+    code path for CPU and GPU]) would put 1-rank jobs, and this process's own world of one, on
+    NCCL and CUDA. ``MINIFSDP_BACKEND=gloo`` in this process's environment reaches every
+    ``dist_setup`` run here, every launch (the launcher hands its environment to the workers)
+    and every subprocess. Module scope, so it is in place before a module's ``launched`` jobs
+    start; modules marked ``gpu`` (tests/test_gpu.py) are the exception, and notebooks, which
+    run under the machine's own rule, never see it."""
+    saved = os.environ.get("MINIFSDP_BACKEND")
+    os.environ["MINIFSDP_BACKEND"] = "gloo"
+    yield
+    if saved is None:
+        os.environ.pop("MINIFSDP_BACKEND", None)
+    else:
+        os.environ["MINIFSDP_BACKEND"] = saved
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _gpu_modules_use_the_rule(request, cpu_facts):
+    """A module marked ``gpu`` tests the machine's own rule: lift the pin for it."""
+    if next(request.node.iter_markers("gpu"), None) is None:
+        yield
+        return
+    pinned = os.environ.pop("MINIFSDP_BACKEND", None)
+    yield
+    if pinned is not None:
+        os.environ["MINIFSDP_BACKEND"] = pinned
 
 
 @pytest.fixture(scope="module")
