@@ -163,13 +163,13 @@ def test_memory_by_category(worker):
 
 def test_loss_next_to_fp32_and_bf16(worker):
     """Every step's loss of the fp8 runs stays near the fp32 run's: within 0.01 with fp32
-    compute, 0.1 with bf16 compute (whose logits and loss are bf16: steps of 1/32 near 4);
-    measured 1e-3 and 4.5e-2. fp8 weights with fp32 compute are closer to fp32 than bf16
-    compute is."""
+    compute (measured 1e-3), within 16 ulps of a bf16 loss near 4 with bf16 compute (whose
+    logits and loss are bf16: one ulp is 1/32 there; bound 0.5, measured 4.5e-2 = 1.5 ulps).
+    fp8 weights with fp32 compute are closer to fp32 than bf16 compute is."""
     for r in worker[2]:
         gap = {mode: max(abs(a - b) for a, b in zip(run["losses"], r["runs"]["fp32"]["losses"]))
                for mode, run in r["runs"].items()}
-        assert 0 < gap["fp8"] < 0.01 and gap["fp8_bf16"] < 0.1, gap
+        assert 0 < gap["fp8"] < 0.01 and gap["fp8_bf16"] < 16 / 32, gap
         assert gap["fp8"] < gap["bf16"]
 
 
