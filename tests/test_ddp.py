@@ -13,13 +13,15 @@ N terms in an order that depends on where the element sits in the flattened buff
 all-reducing a tensor and a slice of it differs in the last bit). Our buckets, torch's (1 MiB
 first bucket, rebuilt after step 1 in the order gradients arrived) and the single process's
 sequential accumulation all lay gradients out differently, so results agree to rounding only:
-losses to ``LOSS_ATOL`` = 1e-6, parameters to ``ATOL`` = 2e-5 (2% of one Adam step, lr 1e-3).
+losses to ``LOSS_ATOL`` = 1e-5, parameters to ``ATOL`` = 2e-4 (a fifth of one Adam step,
+lr 1e-3: a real bug -- a stale bucket, a gradient from the wrong step -- is off by ~lr).
 Where the shards' gradients nearly cancel, a last-bit difference in their sum is a large
 *relative* difference, and Adam, which divides by the gradient's own magnitude, carries it
 into the update. torch DDP differs from the single process by as much (asserted below), so the
 tolerance measures the arithmetic, not our code. Measured max parameter differences (3 steps,
 vs single / vs torch DDP): CNN N=3 6.1e-6 / 1.2e-7, N=4 5.9e-6 / 7.3e-6; GPT N=3 1.8e-5 /
-2.4e-7, N=4 3.0e-7 / 2.9e-7. Losses: at most 4.8e-7 apart.
+2.4e-7, N=4 3.0e-7 / 2.9e-7. Losses: at most 4.8e-7 apart. The bounds are 10x and 20x the
+largest of these: another CPU's kernels add in other orders (Note [what a notebook prints]).
 
 Cost: 18 launches of 5-10 s, ``PARALLEL`` at a time from the module fixture ``launched`` (as in
 tests/test_train.py): ~210 CPU-seconds, ~105 s on an idle 2-core machine.
@@ -46,7 +48,7 @@ MODEL_ARGS = {
     "gpt": ("--model", "gpt", "--n-layer", "2", "--d-model", "32", "--n-head", "4",
             "--seq-len", "32", "--optimizer", "adamw"),
 }
-EXACT, ATOL, LOSS_ATOL = None, 2e-5, 1e-6
+EXACT, ATOL, LOSS_ATOL = None, 2e-4, 1e-5
 # The default matrix keeps the file near 100 s on 2 cores: both models bit for bit at N = 2, one
 # model at each other N, NaiveDDP at N <= 2 (at N >= 3 it differs from BucketedDDP only in how
 # gradients are laid out for the all-reduce). MINIFSDP_FULL_DDP_TESTS=1: every model at every N,

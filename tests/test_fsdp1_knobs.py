@@ -19,8 +19,11 @@ parameters' elements; torch fills its alignment padding with 42s, ours holds zer
 is read. Against one process (clipping only), the 2-norm differs by the order of the sums: each
 rank adds its shard's squares, then the ranks' sums are added; one process adds per-parameter
 norms. Measured: 1 ulp (relative 7e-8); we require 1e-6 relative. The inf-norm is a max, exact
-in any order: equal bit for bit at the first step (later, at N = 3, the one process's
-parameters have drifted by its own gradient sums' order, Note [bitwise parity] in train.py).
+in any order -- of the same gradients. At N = 2 they are the same by construction (a sum of two
+shards' gradients is one addition, the same in either order), so the first step's inf-norm is
+equal bit for bit. At N = 3 the one process adds its three shards' gradients in another order
+than gloo's reduce-scatter, so each element may differ by a few ulps: measured 1 ulp (relative
+6.7e-8, an AMD EPYC) where earlier CPUs gave 0; the 1e-6 relative bound (16 ulps) holds it.
 """
 
 import math
@@ -173,7 +176,7 @@ def test_clip_grad_norm_bit_for_bit_with_torch_and_close_to_one_process(launched
         assert c["norms"] == c["torch_norms"], name
         max_norm = 0.01 if "inf" in name else 0.05
         assert all(v > max_norm for v in c["norms"]), f"{name}: clipping never acted"
-        if "inf" in name:  # a max: exact in any order, while the gradients are the same
+        if "inf" in name and n == 2:  # a max of the same gradients (see the docstring)
             assert c["norms"][0] == c["ref_norms"][0], name
         for got, ref in zip(c["norms"], c["ref_norms"]):
             assert abs(got - ref) <= 1e-6 * ref, (name, got, ref)

@@ -137,7 +137,8 @@ def test_parity_with_one_process_and_torch_fsdp2(train_run, n, model, variant):
         assert gap == loss_gap == 0.0
         assert losses == single_run.ranks[0]["losses"]
     else:
-        assert 0 < gap < 1e-4 and loss_gap < 1e-5  # the references agree to rounding
+        # the references agree to rounding (whether they differ at all is the CPU's business)
+        assert gap < 1e-4 and loss_gap < 1e-5
         assert max_diff(got, single) <= RELATIVE_TO_TORCH * gap
         assert max(abs(a - b) for a, b in zip(losses, single_run.ranks[0]["losses"])) <= (
             RELATIVE_TO_TORCH * loss_gap)
@@ -332,7 +333,7 @@ def test_worker_trains_like_torch_and_one_process(worker):
                 if exact:
                     assert case["bitwise_single"], (n, name, case["ours_vs_single"])
                 assert case["ours_vs_single"] <= RELATIVE_TO_TORCH * case["torch_vs_single"]
-                assert case["ours_vs_single"] < 1e-6, (n, name)
+                assert case["ours_vs_single"] < 1e-5, (n, name)  # 77x the 1.3e-7 measured
 
 
 def test_worker_whole_unit_checkpointing_runs_like_no_checkpointing(worker):

@@ -273,16 +273,22 @@ def test_worker_simple_fsdp_hybrid_shard(worker):
     """SimpleFSDP's HSDP mode (chapter 10) on the same 2 x 2 mesh as torch's ``fully_shard``:
     the stored placements are (Replicate, Shard(0)); per parameter read one all-gather in the
     shard group, per gradient one all-reduce across replicas and one reduce-scatter in the
-    shard group; the losses of all 3 steps equal torch's, the parameters to rounding. DTensor
-    redistributes ``(Partial, Partial) -> (Replicate, Shard(0))`` one mesh dimension at a time,
-    the replicas first: it adds ranks (0 + 2) and (1 + 3), then the two sums; ``fully_shard``
-    reduce-scatters first, (0 + 1) and (2 + 3). Four floats added in another grouping round
-    differently."""
+    shard group. DTensor redistributes ``(Partial, Partial) -> (Replicate, Shard(0))`` one mesh
+    dimension at a time, the replicas first: it adds ranks (0 + 2) and (1 + 3), then the two
+    sums; ``fully_shard`` reduce-scatters first, (0 + 1) and (2 + 3). Four floats added in
+    another grouping round differently, or not, as the CPU's kernels made them: so the first
+    loss (before any update: the same forward) is equal by construction, and after that
+    parameters and losses are held to a bound, never to "bitwise" or "not bitwise".
+    Error model: each gradient element differs by a few ulps of its four terms (u = 6e-8);
+    AdamW at lr 1e-2 turns that into at most ~2 lr per step where a gradient is near 0 and its
+    normalised update swings, far less elsewhere. Measured over 3 steps, here and on an AMD
+    EPYC: max |parameter difference| 8.3e-6 (bound 1e-4, 12x), max |loss difference| 4.8e-7
+    (bound 1e-5, 21x)."""
     reads, block_reads = 29, 24  # tok_emb, pos_emb, 2 x 12 in blocks, ln_f (2), head (tied)
     for r in worker:
         for name, res in r["simple_fsdp"].items():
-            assert res["losses_equal"] and res["placements"] == ["['R', 'S(0)']"], (name, res)
-            assert not res["bitwise"] and 0 < res["max_diff"] < 1e-4, res
+            assert res["first_loss_equal"] and res["placements"] == ["['R', 'S(0)']"], res
+            assert res["max_diff"] < 1e-4 and res["loss_gap"] < 1e-5, (name, res)
             assert res["first_gradient"] == ["all_reduce", "reduce_scatter"], res
             gathers = STEPS * (reads + (block_reads if name == "reshard" else 0))
             assert {tuple(k): v for k, v in res["calls"]} == {

@@ -119,13 +119,17 @@ def test_full_batch_reference_agrees_to_rounding(train_run):
     """The textbook reference -- one backward over the 32-sample mean -- is the same
     mathematics in another summation order: equal to rounding, not bit for bit. Measured
     (CNN, Adam, 4 steps): losses equal, parameters within 2.9e-6 (Adam divides by the
-    gradient's own magnitude, so ~5e-9 gradients carry their rounding into the weights)."""
+    gradient's own magnitude, so ~5e-9 gradients carry their rounding into the weights).
+    Bounds from the error model, not from that measurement: a loss near ln 10 is a sum
+    reordered, a few ulps (2.4e-7 each) per step, so 1e-5; a weight moves by at most lr =
+    1e-3 a step whatever its gradient's last bits, and the 1e-4 bound (34x the measured) sits
+    between rounding and a real bug (~lr)."""
     full, ref_full = train_run("cnn", "single_full")
     single, ref = train_run("cnn", "single")
     assert full.ranks[0]["config"]["full_batch"] and not single.ranks[0]["config"]["full_batch"]
     diffs = [abs(a - b) for a, b in zip(full.ranks[0]["losses"], single.ranks[0]["losses"])]
-    assert max(diffs) <= 1e-6
-    torch.testing.assert_close(ref_full, ref, atol=1e-5, rtol=1e-5)
+    assert max(diffs) <= 1e-5
+    torch.testing.assert_close(ref_full, ref, atol=1e-4, rtol=0)
 
 
 @pytest.mark.parametrize("model,strategy", CASES)

@@ -222,7 +222,9 @@ def simple_fsdp_hsdp() -> dict:
         grads = [c.op for c in log.comms() if c.op != "all_gather"][:2]  # the first gradient's
         mine = {param_name(k): v.full_tensor().detach().clone()
                 for k, v in model.named_parameters()}
-        out[name] = {"losses_equal": losses == losses_ref, **compare(mine, full_ref),
+        out[name] = {"first_loss_equal": losses[0] == losses_ref[0],
+                     "loss_gap": max(abs(a - b) for a, b in zip(losses, losses_ref)),
+                     **compare(mine, full_ref),
                      "differ": sorted(k for k in mine if not torch.equal(mine[k], full_ref[k])),
                      "placements": sorted({str(v) for v in placements.values()}),
                      "first_gradient": grads,
