@@ -22,6 +22,17 @@ this, and matches DDP and FSDP bit for bit at N = 2 (tests/test_train.py). The t
 reference, one backward of the 64-sample mean (``--full-batch``), is the same mathematics but
 a different float sum: it agrees to rounding (~1e-7), and Adam, which divides by the
 gradient's own magnitude, can amplify that to ~1e-6 in the weights within a few steps.
+
+Note [one optimizer path]: torch's optimizers pick their kernels by the *type* of the
+parameters: on a GPU they use the multi-tensor ``foreach`` kernels only if every parameter's
+type is exactly ``Tensor``, ``Parameter`` or ``DTensor`` (``torch.optim.optimizer.
+_default_to_fused_or_foreach``), else the per-tensor loop. Our FSDP1 hands the optimizer
+``FlatParameter``s (a ``Parameter`` subclass), torch's FSDP1 with ``use_orig_params=True`` plain
+``Parameter``s: on CUDA the two would run different Adam kernels, which round differently
+(the 4.8e-5 that gpucheck measured between them on an H200, while FSDP2 -- DTensor on both
+sides -- and DDP were bitwise; on CPU neither uses foreach, so nothing showed). So
+``make_optimizer`` chooses ``foreach`` itself, by device only, and every strategy gets the
+same kernels as its torch counterpart.
 """
 
 from __future__ import annotations
@@ -460,13 +471,26 @@ def make_model(args: argparse.Namespace) -> nn.Module:
 
 
 def make_optimizer(params, args: argparse.Namespace) -> torch.optim.Optimizer:
+    """``args.optimizer`` over ``params``, with ``foreach`` chosen by device only (Note [one
+    optimizer path])."""
+    params = list(params)
+    foreach = use_foreach(params)
     if args.optimizer == "adam":
-        return torch.optim.Adam(params, lr=args.lr)
+        return torch.optim.Adam(params, lr=args.lr, foreach=foreach)
     if args.optimizer == "adamw":
-        return torch.optim.AdamW(params, lr=args.lr, weight_decay=0.1)
+        return torch.optim.AdamW(params, lr=args.lr, weight_decay=0.1, foreach=foreach)
     if args.optimizer == "adadelta":  # the FSDP tutorial's choice (lr=1.0)
-        return torch.optim.Adadelta(params, lr=args.lr)
-    return torch.optim.SGD(params, lr=args.lr)
+        return torch.optim.Adadelta(params, lr=args.lr, foreach=foreach)
+    return torch.optim.SGD(params, lr=args.lr, foreach=foreach)
+
+
+def use_foreach(params: list[torch.Tensor]) -> bool:
+    """torch's default ``foreach`` choice without its type test: every parameter on a device
+    with multi-tensor kernels (CUDA: yes; CPU: no). Note [one optimizer path]."""
+    from torch.utils._foreach_utils import _get_foreach_kernels_supported_devices
+
+    devices = _get_foreach_kernels_supported_devices()
+    return bool(params) and all(p.device.type in devices for p in params)
 
 
 def make_batches(args: argparse.Namespace, info: DistInfo, start_step: int = 0):

@@ -46,7 +46,7 @@ from minifsdp import comm, fsdp1, fsdp2
 from minifsdp.dist import dist_setup, finish
 from minifsdp.memory import MemoryTracker
 from minifsdp.models import GPT, Block, GPTConfig
-from minifsdp.train import loss_fn
+from minifsdp.train import loss_fn, use_foreach
 
 CFG = GPTConfig(vocab_size=256, seq_len=32, n_layer=4, n_head=4, d_model=128)
 LOCAL, STEPS, MAX_NORM = 4, 2, 0.5  # sequences per rank; clip to a norm the gradients exceed
@@ -182,7 +182,8 @@ def run(impl: str, knobs: dict, info, events: Events) -> dict:
     """Two steps of one configuration; the second under ``MemoryTracker`` and the logs."""
     model = wrap(impl, build(knobs), knobs, info.device)
     events.watch(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+    params = list(model.parameters())  # foreach by device, not by type: Note [one optimizer path]
+    opt = torch.optim.AdamW(params, lr=1e-3, weight_decay=0.1, foreach=use_foreach(params))
     out: dict = {"losses": []}
     micro = knobs.get("micro", 1)
     for step in range(STEPS):
