@@ -18,6 +18,7 @@ Modules: ``seams`` (where your code plugs in), ``report`` (the first divergence,
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -28,7 +29,7 @@ from minifsdp.labs.report import Report, diverged, frames_in, last_exception
 from minifsdp.labs.seams import LAB_IDS, REFERENCE, LabFileError, get_lab
 from minifsdp.launch import WorkerError, WorkerTimeout, repo_root, torchrun
 
-__all__ = ["LAB_IDS", "Report", "check", "get_lab", "start", "your_file"]
+__all__ = ["LAB_IDS", "Report", "check", "get_lab", "hint", "start", "your_file"]
 
 
 def your_file(lab_id: str) -> Path:
@@ -50,6 +51,38 @@ def start(lab_id: str) -> Path:
     tmp.replace(mine)
     print(f"wrote {_rel(mine)}: fill in the TODO(lab {lab.id}), then labs.check({lab.id!r})")
     return mine
+
+
+def hint(lab_id: str, level: int | None = None) -> str:
+    """Print and return lab ``lab_id``'s next graded hint (or hint ``level``, 1-based).
+
+    Hints are asked for, one at a time: the first points at the idea and the Notes, the last
+    describes the solution's shape. Which one you have seen is kept beside your copy
+    (``labs/mine/.hints.json``), so asking again moves on.
+
+    Example:
+        >>> hint("00")     # doctest: +SKIP
+        lab 00, hint 1 of 3: ...
+    """
+    lab = get_lab(lab_id)
+    if not lab.hints:
+        raise ValueError(f"lab {lab.id} has no hints")
+    state_file = repo_root() / "labs" / "mine" / ".hints.json"
+    seen = json.loads(state_file.read_text()) if state_file.exists() else {}
+    if level is None:
+        level = min(seen.get(lab.id, 0) + 1, len(lab.hints))
+    if not 1 <= level <= len(lab.hints):
+        raise ValueError(f"lab {lab.id} has hints 1 to {len(lab.hints)}, not {level}")
+    seen[lab.id] = max(seen.get(lab.id, 0), level)
+    state_file.parent.mkdir(parents=True, exist_ok=True)
+    tmp = state_file.with_suffix(".tmp")
+    tmp.write_text(json.dumps(seen))
+    tmp.replace(state_file)
+    last = level == len(lab.hints)
+    text = (f"lab {lab.id}, hint {level} of {len(lab.hints)}: {lab.hints[level - 1]}"
+            + ("" if last else f"\n(ask again for hint {level + 1})"))
+    print(text)
+    return text
 
 
 def check(lab_id: str, path: str | os.PathLike | None = None, *,

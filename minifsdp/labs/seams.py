@@ -65,7 +65,9 @@ class Lab:
 
     ``run(trace, info)`` runs every case inside a torchrun worker (see ``report.Trace``);
     ``hint(name, got, expected, world_size)`` may explain a divergence in the chapter's words;
-    ``world_sizes`` are the jobs the checker launches, one after another.
+    ``world_sizes`` are the jobs the checker launches, one after another; ``hints`` are the
+    graded hints ``python -m minifsdp.labs NN --hint`` gives one at a time, from a nudge
+    towards the right Note to the shape of the solution (never its code).
     """
 
     id: str
@@ -78,6 +80,7 @@ class Lab:
     world_sizes: tuple[int, ...] = (2, 3)
     oracle: str = "torch"
     extra: dict[str, Any] = field(default_factory=dict)
+    hints: tuple[str, ...] = ()
 
 
 def get_lab(lab_id: str) -> Lab:
