@@ -28,9 +28,10 @@ parameters: on a GPU they use the multi-tensor ``foreach`` kernels only if every
 type is exactly ``Tensor``, ``Parameter`` or ``DTensor`` (``torch.optim.optimizer.
 _default_to_fused_or_foreach``), else the per-tensor loop. Our FSDP1 hands the optimizer
 ``FlatParameter``s (a ``Parameter`` subclass), torch's FSDP1 with ``use_orig_params=True`` plain
-``Parameter``s: on CUDA the two would run different Adam kernels, which round differently
-(the 4.8e-5 that gpucheck measured between them on an H200, while FSDP2 -- DTensor on both
-sides -- and DDP were bitwise; on CPU neither uses foreach, so nothing showed). So
+``Parameter``s: on CUDA the two would run different Adam kernels, which round differently --
+the likely cause of the 4.8e-5 gpucheck measured between them on an H200, while FSDP2 (DTensor
+on both sides) and DDP were bitwise; on CPU neither uses foreach, so nothing showed (the
+evidence, and the pairs that confirm it on a GPU: Note [FSDP1 on CUDA] in gpucheck). So
 ``make_optimizer`` chooses ``foreach`` itself, by device only, and every strategy gets the
 same kernels as its torch counterpart.
 """
