@@ -14,6 +14,11 @@ them as plain Python, as ``aot_eager`` does. In those graphs each parameter read
 
 Both only copy bytes and move nodes, so results stay bitwise. Graphs without FSDP collectives
 (no all-gather the labelling traced to a parameter) pass through untouched.
+
+On gloo the backend then runs a copy of each graph in which every collective is waited for at
+once (``minifsdp.serial_collectives``, Note [one collective in flight on gloo]): the passes'
+schedule is what NCCL would overlap, and the graph handed to ``graphs`` keeps it; gloo runs it
+one collective at a time.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import torch
 import torch.fx as fx
 from torch._dynamo.backends.common import aot_autograd
 
+from minifsdp.serial_collectives import runnable
 from minifsdp.simple_fsdp import param_name
 
 _c10d = torch.ops._c10d_functional
@@ -41,12 +47,19 @@ def block_of(name: str) -> str:
     return m.group(1) if m else ""
 
 
-def backend(passes: Sequence[Pass] = (), graphs: list | None = None):
+def backend(passes: Sequence[Pass] = (), graphs: list | None = None,
+            serialize_on: bool | None = None):
     """A ``torch.compile`` backend: aot_autograd, then ``passes`` on the forward and the
     backward graph, then run the graph as Python (no Inductor). ``graphs`` (a list) receives
-    ``(kind, gm)`` after the passes. Before the passes each collective is labelled with its
-    parameter (``node.meta["param"]``), which compile records in the node's module stack:
-    ``nn_module_stack`` in forward, ``fwd_nn_module_stack`` in backward."""
+    ``(kind, gm)`` after the passes: the schedule they planned. Before the passes each
+    collective is labelled with its parameter (``node.meta["param"]``), which compile records
+    in the node's module stack: ``nn_module_stack`` in forward, ``fwd_nn_module_stack`` in
+    backward.
+
+    ``serialize_on``: run a ``serialize``d copy instead (each collective waited for at once,
+    ``gm.meta["ran"]``) -- by default when any collective of the graph is on a gloo group
+    (Note [one collective in flight on gloo] in ``minifsdp.serial_collectives``); NCCL graphs
+    run as planned."""
 
     def run(kind):
         def compiler(gm: fx.GraphModule, example_inputs):
@@ -57,7 +70,8 @@ def backend(passes: Sequence[Pass] = (), graphs: list | None = None):
                 gm = p(gm)
             if graphs is not None:
                 graphs.append((kind, gm))
-            return gm
+            gm.meta["ran"] = ran = runnable(gm, serialize_on)
+            return ran
         return compiler
 
     return aot_autograd(fw_compiler=run("forward"), bw_compiler=run("backward"))
@@ -182,15 +196,13 @@ def prefetch_all_gathers(gm: fx.GraphModule, group: Callable[[str], str] = block
     move along). Costs memory: one more block's unsharded parameters live at a time.
 
     Note [collectives in flight]: FSDP2 prefetches one flat all-gather per group, so at most
-    two are in flight. Hoisting a block's per-parameter all-gathers instead puts all of them
-    in flight at once (24 in this chapter's forward), and torch 2.14's gloo does not survive
-    that: its ``allgather_into_tensor_coalesced``, which every functional all-gather calls,
-    corrupts the heap when several are in flight (measured, 2 ranks, 4000 steps: 8 in flight,
-    3 of 3 runs aborted with ``malloc(): unaligned tcache chunk detected`` or hung; 2 in flight,
-    0 of 3; ``dist.all_gather_into_tensor`` with 8 in flight, 0 of 3; in the core dump we
-    caught, both of gloo's worker threads were inside it).
+    two are in flight. Hoisting a block's per-parameter all-gathers instead would put all of
+    them in flight at once (24 in chapter 10's forward): 24 buffers and 24 collectives that
+    the communication stream runs one after another anyway, while one bucket is one launch.
     So the pass prefetches buckets, as SimpleFSDP reorders bucketed collectives, and refuses
-    a block of several all-gathers rather than let a run crash or hang.
+    a block of several all-gathers. (On gloo no schedule runs as planned: the backend waits
+    for each collective at once, Note [one collective in flight on gloo] in
+    ``minifsdp.serial_collectives``.)
     """
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     runs = _groups(gm, group)
@@ -200,8 +212,7 @@ def prefetch_all_gathers(gm: fx.GraphModule, group: Callable[[str], str] = block
             raise ValueError(
                 f"prefetch_all_gathers: {block} has {len(run)} all-gathers in a row "
                 f"({run[0].meta['param']}, ...); bucket them first (bucket_all_gathers): "
-                "prefetching them one by one puts them all in flight, which gloo's "
-                "allgather_into_tensor_coalesced does not survive (Note [collectives in "
+                "prefetching them one by one puts them all in flight (Note [collectives in "
                 "flight] in minifsdp/graph_passes.py)")
     for prev, run in zip(runs, runs[1:]):
         anchor = _wait_of(prev[0])

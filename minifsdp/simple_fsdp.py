@@ -11,13 +11,14 @@ derives the reduce-scatter, and a selective-checkpoint policy derives the reshar
 
 Note [reshard is recompute]: ``reshard()`` frees the unsharded parameter after forward. Here
 nothing frees it: each block runs under selective activation checkpointing whose policy says
-"recompute" for the gather chain (all-gather, wait, cast, pad, cat, views) and "save" for all
-else, so autograd keeps no unsharded parameter, and backward all-gathers again
-(``reshard_after_forward=False`` drops the checkpoint: they stay alive until backward).
-It pays under compile only. The partitioner sees the backward graph and saves, of the "save"
+"recompute" for the gather chain (all-gather, its autograd wrapper, wait, cast, pad, cat, views)
+and "save" for all else, so autograd keeps no unsharded parameter, and backward all-gathers
+again (``reshard_after_forward=False`` drops the checkpoint: they stay alive until backward).
+It pays most under compile. The partitioner sees the backward graph and saves, of the "save"
 ops, those backward reads; eager checkpointing cannot know what its recompute will ask for
 and caches the output of *every* "save" op. Measured (chapter 10, N = 2): compiled, resharding
-has the lowest peak of the compiled variants; eager, it peaks above keeping.
+has the lowest peak of the compiled variants; eager, it peaks below keeping too (it peaked
+above while the wrapper was a "save" op: see GATHER_OPS).
 
 Note [one collective per parameter]: eager SimpleFSDP gathers and reduces each parameter
 alone (FSDPParamGroup does one flat collective per group); grouping them into buckets and
@@ -103,7 +104,14 @@ class ReplicateCompute(nn.Module):
 
 _c10d = torch.ops._c10d_functional
 _aten = torch.ops.aten
+# _wrap_tensor_autograd (eager only: it wraps the all-gather's output in the
+# AsyncCollectiveTensor that waits for it) belongs to the chain. Saved, as it was until
+# 2026-11-26, the recompute got the *forward's* gathered tensor back from the cache and waited on
+# that, while the all-gather it had just issued again was never waited for: a collective left
+# in flight per re-gathered parameter (Note [one collective in flight on gloo] in
+# graph_passes.py) and the unsharded parameter kept alive from forward to backward.
 GATHER_OPS = {_c10d.all_gather_into_tensor.default, _c10d.wait_tensor.default,
+              _c10d._wrap_tensor_autograd.default,
               _aten._to_copy.default, _aten.constant_pad_nd.default, _aten.cat.default}
 
 

@@ -178,6 +178,9 @@ REVIEWED = {
     ("dist.py", 'device = torch.device("cpu")'): "gloo means CPU tensors, whatever is visible",
     ("dist.py", 'elif self.backend == "gloo" and self.gpus:'):
         "the words of BackendChoice.line: why a job on a GPU machine runs on CPU",
+    ("serial_collectives.py", 'if dist.get_backend(_resolve_process_group(name)) == "gloo":'):
+        "the gloo-only serialization of compiled graphs (a torch 2.14 gloo bug); NCCL graphs "
+        "run as planned",
     ("flat_param.py", 'shard = shard.to("cpu", copy=True) if offload else shard.clone() if '
                       'sharded else shard'): "CPUOffload: the shard lives in host memory",
     ("fsdp1.py", 'return {_clean(k): v.detach().to("cpu", copy=True) for k, v in sd.items()}'):

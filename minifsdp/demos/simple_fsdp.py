@@ -13,11 +13,14 @@ same batches in every variant. Per rank it reports:
   ``hook_order``: our ``fully_shard``'s collectives of one step (from the comm log, by group);
 - with ``--compile``: SimpleFSDP compiled with each set of passes (``VARIANTS``): the forward
   and backward graphs' collectives, the forward's ``schedule``, compiled == eager bitwise,
-  compile seconds, the error with which ``prefetch_all_gathers`` refuses an unbucketed graph;
+  compile seconds, the error with which ``prefetch_all_gathers`` refuses an unbucketed graph,
+  the most collectives each graph has in flight as planned and as run (on gloo the backend runs
+  it serialized: Note [one collective in flight on gloo]);
   and ``measured``, every variant eager and compiled side by side: step seconds, collectives and
   wire bytes of one step, its exposed communication and its peak memory (``measure``);
-- with ``--inductor``: the same model under ``backend="inductor"``: compile seconds and
-  bitwise equality with eager, or the exception's type and first line.
+- with ``--inductor``: a 2-layer MLP under ``backend="inductor"``: compile seconds, the largest
+  loss difference with eager, and the most collectives in flight
+  (``serial_collectives.InFlightGuard``), or the exception's type and first line.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from minifsdp import comm, fsdp2
 from minifsdp import graph_passes as gp
+from minifsdp import serial_collectives as sc
 from minifsdp.dist import dist_setup, finish
 from minifsdp.memory import MemoryTracker
 from minifsdp.models import GPT, GPTConfig
@@ -179,7 +183,8 @@ def compiled(rank, n, steps, reference) -> dict:
     """Compile SimpleFSDP with each set of passes (``VARIANTS``): the graphs' collectives,
     compiled == eager bitwise over ``steps`` AdamW steps, compile seconds. Returns the models
     too, for ``measure``."""
-    out = {"collectives": {}, "schedule": {}, "compiled": {}, "compile_s": {}, "_models": {}}
+    out = {"collectives": {}, "schedule": {}, "in_flight": {}, "compiled": {}, "compile_s": {},
+           "_models": {}}
     for name, (kind, passes) in VARIANTS.items():
         if passes is None:
             continue
@@ -192,6 +197,8 @@ def compiled(rank, n, steps, reference) -> dict:
         if kind == "simple":
             out["collectives"][passes] = {k: gp.collectives(g) for k, g in graphs[:2]}
             out["schedule"][passes] = gp.schedule(graphs[0][1])
+            out["in_flight"][passes] = {k: [sc.in_flight(g), sc.in_flight(g.meta["ran"]),
+                                            gp.schedule(g.meta["ran"])] for k, g in graphs[:2]}
             if passes == "none":  # prefetch without buckets: refused (Note [collectives in flight])
                 try:
                     gp.prefetch_all_gathers(copy.deepcopy(graphs[0][1]))
@@ -221,13 +228,19 @@ def measure(models: dict, rank: int, n: int, rounds: int) -> dict:
     out = {}
     for k, (run, module) in models.items():
         with comm.logging_comm() as log, comm.FunctionalCollectives():
+            t0 = time.perf_counter()
             step(run, module, 200)
+            logged_s = time.perf_counter() - t0  # the step its exposed seconds come from
         with MemoryTracker(module) as mt:
             step(run, module, 201)
         out[k] = {"step_s": statistics.median(times[k]),
-                  "exposed_s": comm.exposed_seconds(log.comms()),
+                  "exposed_s": comm.exposed_seconds(log.comms()), "logged_step_s": logged_s,
                   "collectives": dict(Counter(r.op for r in log.comms())),
                   "wire_bytes": log.total_bytes(wire=True), "peak": mt.peak,
+                  # the bytes one collective's buffers hold at most (input + output, N + 1
+                  # times its logged input): what gloo's thread may free a little later in one
+                  # run than another, one collective being in flight at a time on gloo
+                  "one_collective_bytes": (n + 1) * max(r.bytes for r in log.comms()),
                   "peak_by_category": mt.peak_by_category}
     return out
 
@@ -258,12 +271,17 @@ def inductor(rank, n, steps) -> dict:
         return losses, times
 
     reference, model = run(mlp())[0], mlp()
+    # Inductor schedules its own waits (graph_passes.backend does not run): the guard raises if
+    # it ever puts two collectives in flight (Note [one collective in flight on gloo])
+    guard = sc.InFlightGuard()
     try:
-        losses, times = run(torch.compile(model, backend="inductor", fullgraph=True))
+        with guard:
+            losses, times = run(torch.compile(model, backend="inductor", fullgraph=True))
     except Exception as e:  # noqa: BLE001 -- the failure is the result
         return {"ok": False, "error": type(e).__name__, "first_line": str(e).splitlines()[0]}
     return {"ok": True, "first_step_s": times[0], "step_s": statistics.median(times[1:]),
-            "loss_diff": max(float((a - b).abs()) for a, b in zip(losses, reference))}
+            "loss_diff": max(float((a - b).abs()) for a, b in zip(losses, reference)),
+            "issued": guard.issued, "most_in_flight": guard.most}
 
 
 if __name__ == "__main__":
