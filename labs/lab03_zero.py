@@ -1,11 +1,11 @@
 """Lab 03: the ZeRO-2 step. Read Note [flat partition] and Note [ZeRO-1 traffic] first.
 
-Write reduce (seam "zero.reduce", replaces ZeroOptimizer._reduce: a full bucket's gradient
-becomes my shard's) and step (seam "zero.step", replaces ZeroOptimizer.step).
-Check: python -m minifsdp.labs 03      (start: python -m minifsdp.labs 03 --start)
-Bar: losses, shard gradients, parameters and the collectives equal the package's ZeroOptimizer
-bit for bit at N = 2 and 3, and torch DDP's losses and parameters at N = 2; each bucket's full
-gradient is freed once reduced (stage 2 keeps 1/N of the gradients).
+Seams "zero.reduce" (ZeroOptimizer._reduce, stage 2's half) and "zero.step" (ZeroOptimizer.step).
+Check: python -m minifsdp.labs 03   (start: --start)   Hints: --hint (1, 2, 3)
+Bar: losses, shard gradients, parameters and the collectives (op, shape, dtype, group size, in
+issue order) equal the package's ZeroOptimizer bit for bit at N = 2 and 3 (torch DDP's losses
+and parameters too at N = 2), with two backwards per step, in bf16 and over a process group of
+2 ranks; stage 2 keeps only the slice: no tensor bigger than it stays alive behind shard.grad.
 """
 
 import torch
@@ -17,13 +17,21 @@ from minifsdp.memory import tag
 # given: opt.buckets[i] is a minifsdp.zero.Bucket: flat (N * shard_numel,) holds the bucket's
 # parameters back to back, zero-padded (Note [flat partition]); shard is my slice of flat, as
 # an nn.Parameter of the inner optimizer (opt.inner); grad is this rank's full flat gradient,
-# shaped like flat, filled by the gradient hooks during backward. opt.rank, opt.world_size,
-# opt.group, opt.stage (1 or 2). The hooks call reduce(opt, i) as soon as bucket i is full.
+# shaped like flat, filled by the gradient hooks during backward. opt.rank and opt.world_size
+# are *within* opt.group, the process group to use; opt.stage is 1 or 2. The hooks call
+# reduce(opt, i) as soon as bucket i is full; zero_grad() sets shard.grad and grad to None.
 
 
 def reduce(opt, i):
-    """Average bucket ``i``'s gradient over the ranks, leaving my slice of it, shape
-    ``(shard_numel,)``, in ``b.shard.grad``, added to what is there (gradient accumulation)."""
+    """Bucket ``i``'s gradient is complete on every rank (``b.grad``, shaped like ``b.flat``).
+
+    Must hold afterwards (stage 2): ``b.shard.grad`` (shape ``(shard_numel,)``, the bucket's
+    dtype) holds my slice of the average over the group's ranks, *added* to what it held before
+    (several backwards per step); the full bucket gradient is freed (``b.grad is None``, and no
+    view of it survives); the slice's new tensor is tagged "grads" for the MemoryTracker
+    (``tag(t, "grads")``); one collective, through ``minifsdp.comm``, with tag=f"zero2 grads {i}".
+    Note [ZeRO memory categories] says what stage 2 may keep.
+    """
     b = opt.buckets[i]
     b.pending = 0
     n = b.shard.numel()
@@ -31,21 +39,23 @@ def reduce(opt, i):
         comm.all_reduce(b.grad, ReduceOp.AVG, opt.group, tag=f"zero1 grads {i}")
         b.shard.grad = b.grad[opt.rank * n:(opt.rank + 1) * n]
         return
-    # TODO(lab 03): stage 2. Reduce-scatter the average of b.grad straight into a new tensor of
-    # my slice's size (tag it "grads" for the MemoryTracker), free the full bucket gradient,
-    # then set or accumulate b.shard.grad. (about 7 lines)
+    # TODO(lab 03): stage 2's reduce (Note [ZeRO-1 traffic] says which collective).
     raise NotImplementedError("lab 03: reduce in labs/lab03_zero.py")
 
 
 @torch.no_grad()
 def step(opt, closure=None):
-    """Step my shards with the inner optimizer, then make every rank's parameters whole again:
-    after it, every rank holds the same updated ``flat`` in every bucket."""
+    """The optimizer step, after every bucket was reduced.
+
+    Must hold afterwards: every rank holds the same updated ``flat`` in every bucket (so the
+    model's parameters, views of it, are updated everywhere); the collectives are the same on
+    every rank, in bucket order, through ``minifsdp.comm`` with tag=f"zero params {i}"; no copy
+    of the parameters is made (Note [flat partition] says why none is needed).
+    """
     if closure is not None:
         raise NotImplementedError("ZeroOptimizer.step takes no closure")
     for i, b in enumerate(opt.buckets):
         if b.pending:  # a parameter got no gradient: reduce what the bucket has
             opt._reduce(i)
-    # TODO(lab 03): step the shards, then one all-gather per bucket, in bucket order, written
-    # in place into b.flat (Note [flat partition] says why no copy is needed). (about 3 lines)
+    # TODO(lab 03): step my shards, then make every rank's buckets whole again.
     raise NotImplementedError("lab 03: step in labs/lab03_zero.py")

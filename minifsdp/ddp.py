@@ -313,10 +313,17 @@ class BucketedDDP(nn.Module):
             with comm.span(FINAL_SPAN):
                 mine = self._fill_missing()
                 self._launch_ready_buckets()  # now every bucket, on every rank
-                stuck = [b.index for b in self.buckets if b.work is None]
-                if stuck:  # a hook that did not count its gradient (pending never reached 0)
-                    raise RuntimeError(f"BucketedDDP: buckets {stuck} were never launched: "
+                stuck = [b for b in self.buckets if b.work is None]
+                counting = [b.index for b in stuck if b.pending]
+                if counting:  # a hook that did not count its gradient
+                    raise RuntimeError(f"BucketedDDP: buckets {counting} were never launched: "
                                        "their pending counts did not reach 0 (Note [buckets])")
+                if stuck:  # every gradient counted, yet a launch left ready buckets behind
+                    raise RuntimeError(
+                        f"BucketedDDP: buckets {[b.index for b in stuck]} were never launched "
+                        "although their pending counts reached 0: a bucket is ready when its "
+                        "count is 0, and one launch starts every ready bucket in order, not "
+                        "only the next (Note [buckets])")
                 status = torch.empty(self.world_size * len(mine), dtype=torch.int32,
                                      device=self.buckets[0].buffer.device)
                 work = comm.all_gather_into_tensor(status, mine.to(status.device),

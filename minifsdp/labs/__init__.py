@@ -165,8 +165,15 @@ def _check(lab: seams.Lab, spec: str, world_sizes: tuple[int, ...], timeout: flo
 
 
 def _failed(lab: seams.Lab, head: str, n: int, e: WorkerError, file_name: str | None) -> Report:
-    text = e.logs.get(e.rank, "") if e.rank is not None else ""
+    rank = e.rank
+    text = e.logs.get(rank, "") if rank is not None else ""
     text = re.sub(r"(?m)^\[rank\d+\]:\s?", "", text or str(e))
+    if _is_timeout(text):  # a peer that raised reads here as a closed connection: report it
+        for r, log in sorted(e.logs.items()):
+            log = re.sub(r"(?m)^\[rank\d+\]:\s?", "", log or "")
+            if "Traceback (most recent call last)" in log and not _is_timeout(log):
+                rank, text = r, log
+                break
     exc = last_exception(text)
     frames = frames_in(text, file_name) if file_name else []
     where = f"{_strip_root(frames[-1][0])}:{frames[-1][1]}" if frames else None
@@ -177,7 +184,7 @@ def _failed(lab: seams.Lab, head: str, n: int, e: WorkerError, file_name: str | 
         return Report(lab.id, lab.title, "not started", lines, where=where)
     if _is_timeout(text):
         return _hang(lab, head, n, e.logs, file_name, None)
-    lines = [f"✗ {head}: crash at N = {n} on rank {e.rank}"
+    lines = [f"✗ {head}: crash at N = {n} on rank {rank}"
              + (f" at {where}" if where else "") + f": {exc}"]
     lines += [f"    {_strip_root(f)}:{ln}: {code}" for f, ln, code in frames]
     if not frames:

@@ -6,6 +6,7 @@ rejects it and points where the bug shows first.
 """
 
 import torch
+import torch.distributed as dist
 
 from minifsdp import comm
 from minifsdp.labs.seams import replaces
@@ -85,6 +86,62 @@ def waits_in_the_hook(ddp):
         ddp._next_bucket += 1
 
 
+@replaces("ddp.launch")
+def launches_one_bucket_per_call(ddp):
+    """``if`` where a ``while`` belongs: each call starts at most the next bucket, so when one
+    gradient completes several buckets (or the final callback fills several), the rest are
+    left behind although every gradient has arrived (Note [buckets])."""
+    if ddp._next_bucket < len(ddp.buckets):
+        b = ddp.buckets[ddp._next_bucket]
+        if b.pending:
+            return
+        b.work = comm.all_reduce(b.buffer, group=ddp.process_group, async_op=True,
+                                 tag=f"bucket {b.index}")
+        ddp._next_bucket += 1
+
+
+@replaces("ddp.launch")
+def ready_when_every_hook_fired(ddp):
+    """Calls a bucket full when every parameter's hook has fired (``ddp._ready``) instead of
+    reading ``pending``: a bucket with a parameter unused in this backward, whose slot the
+    final callback fills, never starts (Note [unused parameters])."""
+    while ddp._next_bucket < len(ddp.buckets):
+        b = ddp.buckets[ddp._next_bucket]
+        if not all(ddp._ready[i] for i in b.params):
+            return
+        b.work = comm.all_reduce(b.buffer, group=ddp.process_group, async_op=True,
+                                 tag=f"bucket {b.index}")
+        ddp._next_bucket += 1
+
+
+@replaces("ddp.launch")
+def all_reduces_over_the_default_group(ddp):
+    """Leaves out ``group=ddp.process_group``: right whenever the group is every rank, wrong
+    (here: stuck) for a DDP over ranks 1 and 2 of 3."""
+    while ddp._next_bucket < len(ddp.buckets):
+        b = ddp.buckets[ddp._next_bucket]
+        if b.pending:
+            return
+        b.work = comm.all_reduce(b.buffer, async_op=True, tag=f"bucket {b.index}")
+        ddp._next_bucket += 1
+
+
+@replaces("ddp.grad_hook")
+def scales_by_the_world_size(ddp, i, param):
+    """Scales by ``1 / dist.get_world_size()``, the default group's size, not
+    ``ddp.world_size``: over 2 ranks of 3 every gradient comes out 2/3 of the mean."""
+    if not ddp._armed:
+        return
+    if not ddp._queued:
+        ddp._queued = True
+        torch.autograd.Variable._execution_engine.queue_callback(ddp._finish_backward)
+    ddp._ready[i] = True
+    bucket, view = ddp._slot[i]
+    torch.mul(param.grad, 1 / dist.get_world_size(), out=view)
+    bucket.pending -= 1
+    ddp._launch_ready_buckets()
+
+
 EXPECTED = {
     "divides_by_n": dict(status="diverged", world_sizes=(3,), step=0, phase="backward",
                          hint="Note [divide first]"),
@@ -95,4 +152,11 @@ EXPECTED = {
                                   hint="Received data size doesn't match"),
     "waits_in_the_hook": dict(status="diverged", world_sizes=(2,), step=0,
                               name="bucket all-reduces waited for inside backward"),
+    "launches_one_bucket_per_call": dict(status="crash", world_sizes=(2,),
+                                         hint="although their pending counts reached 0"),
+    "ready_when_every_hook_fired": dict(status="crash", world_sizes=(2,),
+                                        hint="although their pending counts reached 0"),
+    "all_reduces_over_the_default_group": dict(status="hang", world_sizes=(3,)),
+    "scales_by_the_world_size": dict(status="diverged", world_sizes=(3,), step=0,
+                                     phase="backward", hint="yours = expected × 2/3"),
 }

@@ -11,6 +11,7 @@ from torch.distributed import ReduceOp
 
 from minifsdp import comm
 from minifsdp.labs.seams import replaces
+from minifsdp.memory import tag
 
 
 def _stage1(opt, b, i, n):
@@ -100,6 +101,71 @@ def never_gathers(opt, closure=None):
     opt.inner.step()
 
 
+@replaces("zero.reduce")
+def reduce_scatters_into_the_bucket(opt, i):
+    """Saves an allocation: reduce-scatters into its own slice of ``b.grad`` and keeps that
+    slice as the shard's gradient, then sets ``b.grad = None``. The values are right and
+    ``b.grad is None``, yet the view keeps the whole bucket gradient alive (Note [ZeRO memory
+    categories])."""
+    b = opt.buckets[i]
+    b.pending = 0
+    n = b.shard.numel()
+    if opt.stage == 1:
+        return _stage1(opt, b, i, n)
+    mine = b.grad[opt.rank * n:(opt.rank + 1) * n]
+    comm.reduce_scatter_tensor(mine, b.grad.clone(), ReduceOp.AVG, opt.group,
+                               tag=f"zero2 grads {i}")
+    tag(mine, "grads")
+    b.grad = None
+    b.shard.grad = mine if b.shard.grad is None else b.shard.grad + mine
+
+
+@replaces("zero.reduce")
+def allocates_the_slice_in_fp32(opt, i):
+    """``torch.zeros(n)`` for the slice: fp32 whatever the parameters' dtype, fine until the
+    model is bf16."""
+    b = opt.buckets[i]
+    b.pending = 0
+    n = b.shard.numel()
+    if opt.stage == 1:
+        return _stage1(opt, b, i, n)
+    mine = torch.zeros(n)
+    tag(mine, "grads")
+    comm.reduce_scatter_tensor(mine, b.grad, ReduceOp.AVG, opt.group, tag=f"zero2 grads {i}")
+    b.grad = None
+    b.shard.grad = mine if b.shard.grad is None else b.shard.grad + mine
+
+
+@replaces("zero.reduce")
+def divides_by_the_world_size(opt, i):
+    """Reduce-scatters the SUM over ``opt.group``, then divides by ``dist.get_world_size()``,
+    the default group's size, not ``opt.world_size``: over 2 ranks of 3 every shard's
+    gradient is 2/3 of the mean."""
+    b = opt.buckets[i]
+    b.pending = 0
+    n = b.shard.numel()
+    if opt.stage == 1:
+        return _stage1(opt, b, i, n)
+    mine = b.flat.new_empty(n)
+    tag(mine, "grads")
+    comm.reduce_scatter_tensor(mine, b.grad, ReduceOp.SUM, opt.group, tag=f"zero2 grads {i}")
+    mine /= dist.get_world_size()
+    b.grad = None
+    b.shard.grad = mine if b.shard.grad is None else b.shard.grad + mine
+
+
+@replaces("zero.step")
+@torch.no_grad()
+def gathers_over_the_default_group(opt, closure=None):
+    """Leaves out ``opt.group`` in the all-gather: right whenever the group is every rank."""
+    for i, b in enumerate(opt.buckets):
+        if b.pending:
+            opt._reduce(i)
+    opt.inner.step()
+    for i, b in enumerate(opt.buckets):
+        comm.all_gather_into_tensor(b.flat, b.shard, tag=f"zero params {i}")
+
+
 EXPECTED = {
     "sums_instead_of_averaging": dict(status="diverged", world_sizes=(2,), step=0,
                                       name="bucket 0: shard.grad",
@@ -109,11 +175,21 @@ EXPECTED = {
                                   "(b.grad is None)"),
     "overwrites_accumulated_grad": dict(status="diverged", world_sizes=(2,), step=0,
                                         case="ZeRO-2, 3 buckets, 2 AdamW steps, 2 backwards "
-                                        "per step", name="bucket 0: shard.grad"),
-    "reduces_to_itself": dict(status="hang", world_sizes=(2,), where="lab03.py:74"),
+                                        "per step, bf16, over a process group of ranks [0, 1]",
+                                        name="bucket 0: shard.grad"),
+    "reduces_to_itself": dict(status="hang", world_sizes=(2,), where="lab03.py:75"),
     "gathers_before_stepping": dict(status="diverged", world_sizes=(2,), step=0,
                                     phase="optimizer step"),
     "never_gathers": dict(status="diverged", world_sizes=(2,), step=0,
                           name="collectives of the step, in issue order",
                           hint="fewer all-gathers"),
+    "reduce_scatters_into_the_bucket": dict(status="diverged", world_sizes=(2,), step=0,
+                                            name="bucket 0: bytes of the storage behind "
+                                            "shard.grad", hint="keeps a bigger tensor alive"),
+    "allocates_the_slice_in_fp32": dict(status="crash", world_sizes=(2,), where="lab03.py:134",
+                                        hint="dtype"),
+    "divides_by_the_world_size": dict(status="diverged", world_sizes=(3,), step=0,
+                                      name="bucket 0: shard.grad", hint="yours = expected × 2/3"),
+    "gathers_over_the_default_group": dict(status="crash", world_sizes=(3,),
+                                           where="lab03.py:166"),
 }
