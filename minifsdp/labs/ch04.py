@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from minifsdp.labs.ch05 import _all_ranks_matched
 from minifsdp.labs.seams import Lab, Seam
 from minifsdp.notebook import check
 
@@ -94,6 +95,55 @@ def _torch_layout(fp, rank: int, n: int) -> tuple[int, torch.Tensor]:
     return total, mask[rank * s:(rank + 1) * s]
 
 
+def _view_bytes(h) -> int:
+    """Bytes behind the tensors the modules (and autograd, which saved them) hold."""
+    return sum(getattr(i.module, i.name).untyped_storage().nbytes() for i in h.infos)
+
+
+def _no_shard_and_subgroup(t, info) -> None:
+    """A NO_SHARD unit computes on its FlatParameter, so reshard must free nothing; a bf16 unit
+    (16-byte alignment = 8 elements) sharded over a process group of one rank -- its own, not
+    the default group -- against torch FSDP1 on the same group."""
+    import copy
+
+    import torch.distributed as dist
+    from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
+
+    from minifsdp.flat_param import FlatParamHandle, registered_params
+
+    n, r = info.world_size, info.rank
+    torch.manual_seed(2)
+    lin = torch.nn.Linear(5, 3)
+    want = [p.detach().clone() for p in lin.parameters()]
+    h = FlatParamHandle(registered_params(lin), rank=r, world_size=n, sharded=False)
+    if t.expect("NO_SHARD unit: FlatParameter bytes after reshard",
+                h.flat_param.untyped_storage().nbytes(), h.padded_numel * 4):
+        for name, w in zip(("weight", "bias"), want):  # (freed, reading them would crash)
+            t.expect(f"NO_SHARD unit: {name} (values)", getattr(lin, name).detach(), w)
+    groups = [dist.new_group([i]) for i in range(n)]  # every rank creates every group
+    mine = groups[r]
+    torch.manual_seed(3)
+    base = torch.nn.Sequential(torch.nn.Linear(5, 3), torch.nn.Linear(3, 3)).to(torch.bfloat16)
+    ours, theirs = copy.deepcopy(base), copy.deepcopy(base)
+    h = FlatParamHandle(registered_params(ours), rank=dist.get_rank(mine),
+                        world_size=dist.get_world_size(mine), process_group=mine)
+    fp = TorchFSDP(theirs, process_group=mine, device_id=info.device,
+                   use_orig_params=True)._handle.flat_param
+    total, mask = _torch_layout(fp, 0, 1)
+    t.expect("bf16 unit on a group of one rank: padded numel", h.padded_numel, total)
+    if not t.expect("bf16 unit on a group of one rank: shard (padding zeroed)",
+                    h.flat_param.detach(), fp.detach().masked_fill(mask, 0.0)):
+        return  # a shard of the wrong size cannot be all-gathered (this group is this rank's)
+    h.unshard()
+    h.use_unsharded_views()
+    for i in h.infos:
+        t.expect(f"bf16 unit on a group of one rank: {i.fqn} (values)",
+                 getattr(i.module, i.name).detach(), base.get_parameter(i.fqn).detach())
+    h.reshard()
+    t.expect("bf16 unit on a group of one rank: storage bytes behind the modules' views after "
+             "reshard", _view_bytes(h), 0)
+
+
 def run_lab(t, info) -> None:
     """Lab 04's cases, on every rank: our FSDP1 and torch FSDP1 wrap the same MLP (two units);
     the shards, the views, the freed storage and three Adam steps are compared."""
@@ -127,6 +177,8 @@ def run_lab(t, info) -> None:
                      fp.detach().masked_fill(mask, 0.0))
             t.expect(f"unit {u._name}: unsharded storage bytes after construction",
                      h._buffer.untyped_storage().size(), 0)
+            t.expect(f"unit {u._name}: storage bytes behind the modules' views after "
+                     "construction", _view_bytes(h), 0)
         # A layout whose shards are not N equal parts cannot be all-gathered: every rank
         # agrees on that first and stops here, in lockstep, with the divergence above.
         equal = torch.tensor([float(all(u._handle.flat_param.numel() * n == u._handle.padded_numel
@@ -148,24 +200,38 @@ def run_lab(t, info) -> None:
                 ptr = h.unsharded.untyped_storage().data_ptr()
                 t.expect(f"{name} shares the unsharded storage",
                          view.untyped_storage().data_ptr() == ptr, True)
+                t.expect(f"{name} is made by autograd from the unsharded flat tensor",
+                         view.grad_fn is not None, True)
             h.reshard()
             t.expect(f"unit {u._name}: unsharded storage bytes after reshard",
                      h._buffer.untyped_storage().size(), 0)
-    with t.case("three Adam steps against torch FSDP1 (FULL_SHARD, 2 units)",
+            t.expect(f"unit {u._name}: storage bytes behind the modules' views after reshard",
+                     _view_bytes(h), 0)
+    with t.case("NO_SHARD keeps its bytes; a bf16 unit on a process group of one rank",
+                (LAYOUT, SHARD, VIEWS, RESHARD)):
+        _no_shard_and_subgroup(t, info)
+    if not _all_ranks_matched(t):  # training on a wrong layout would crash, hiding the cause
+        return
+    with t.case("three Adam steps of 2 micro-batches against torch FSDP1 (FULL_SHARD, 2 units)",
                 (VIEWS, RESHARD)):
         opts = [torch.optim.Adam(m.parameters(), lr=1e-3) for m in (ours, theirs)]
         for step in range(3):
-            g = torch.Generator().manual_seed(step)
-            x, y = torch.randn(4 * n, 33, generator=g), torch.randint(0, 10, (4 * n,), generator=g)
-            x, y = x.chunk(n)[r], y.chunk(n)[r]
-            losses = [loss_fn(m(x), y) for m in (ours, theirs)]
-            t.expect("loss", losses[0].detach(), losses[1].detach(), step=step, phase="forward")
-            for u in units[1:]:  # FULL_SHARD frees every unit but the root after forward
-                t.expect(f"unit {u._name}: unsharded storage bytes after forward",
-                         u._handle._buffer.untyped_storage().size(), 0, step=step,
-                         phase="forward")
-            for loss in losses:
-                loss.backward()
+            for k in range(2):  # two backwards accumulate before each step
+                g = torch.Generator().manual_seed(2 * step + k)
+                x = torch.randn(4 * n, 33, generator=g)
+                y = torch.randint(0, 10, (4 * n,), generator=g)
+                x, y = x.chunk(n)[r], y.chunk(n)[r]
+                losses = [loss_fn(m(x), y) for m in (ours, theirs)]
+                t.expect(f"loss of micro-batch {k}", losses[0].detach(), losses[1].detach(),
+                         step=step, phase="forward")
+                for u in units[1:]:  # FULL_SHARD frees every unit but the root after forward
+                    t.expect(f"unit {u._name}: unsharded storage bytes after forward",
+                             u._handle._buffer.untyped_storage().size(), 0, step=step,
+                             phase="forward")
+                    t.expect(f"unit {u._name}: storage bytes behind the modules' views after "
+                             "forward", _view_bytes(u._handle), 0, step=step, phase="forward")
+                for loss in losses:
+                    loss.backward()
             for u in units:
                 t.expect(f"unit {u._name}: the FlatParameter has a gradient",
                          u._handle.flat_param.grad is not None, True, step=step, phase="backward")
@@ -182,15 +248,25 @@ def run_lab(t, info) -> None:
 
 
 def hint(name: str, got, expected, n: int) -> str | None:
+    if "NO_SHARD" in name and "bytes" in name:
+        return ("NO_SHARD computes on the FlatParameter's own storage (handle._owns_buffer is "
+                "False): reshard must free nothing there (Note [freeing storage])")
+    if "behind the modules' views" in name:
+        return ("the modules hold tensors with bytes of their own: copies instead of views of "
+                "the flat tensor (Note [views, not copies]), or views of a storage that was "
+                "rebound or deleted rather than resized to 0, which frees nothing while autograd "
+                "holds them (Note [freeing storage], Note [two tensors, one storage])")
     if "storage bytes" in name:
         return ("the unsharded flat tensor still owns its bytes: free its storage with "
                 "untyped_storage().resize_(0) (Note [freeing storage])")
-    if "shares the unsharded storage" in name or "has a gradient" in name:
+    if ("shares the unsharded storage" in name or "has a gradient" in name
+            or "made by autograd" in name):
         return ("the original names must be views of the unsharded flat tensor, not copies: "
                 "only then does backward deliver one flat gradient (Note [views, not copies])")
     if "numel" in name:
-        return ("parameters start at 16-byte boundaries and the total is padded to a multiple of "
-                "N, so all N shards are equal (Note [flat layout], Note [alignment])")
+        return ("parameters start at 16-byte boundaries (`align` elements: 4 in fp32, 8 in bf16) "
+                "and the total is padded to a multiple of N, so all N shards are equal "
+                "(Note [flat layout], Note [alignment])")
     if name.endswith("(values)"):
         return ("parameter i is flat[offset_i:offset_i + numel_i]: the offsets skip the "
                 "alignment gaps (Note [alignment])")
@@ -213,4 +289,23 @@ LAB = Lab(
     run=run_lab,
     hint=hint,
     oracle="torch FSDP1 (use_orig_params=True)",
+    hints=(
+        "A unit's parameters live as one 1-D tensor: laid end to end with gaps so each starts "
+        "16-byte aligned, then zero padding at the end so that N ranks get equal, contiguous "
+        "parts. Compute uses views into the gathered flat tensor, never copies, and freeing "
+        "means shrinking the storage those views share. Read Note [flat layout], Note "
+        "[alignment], Note [views, not copies], Note [freeing storage] and Note [two tensors, "
+        "one storage] in minifsdp/flat_param.py.",
+        "Layout: a running end position; before each parameter round it up to `align` (an "
+        "element count); padded_numel rounds the final end up to a multiple of N. Shard: N "
+        "equal, contiguous parts, part r for the `rank` you are given. Views: parameter i is "
+        "the elements [offset_i, offset_i + numel_i) of flat in its shape; gaps and padding "
+        "belong to no view. Reshard: handle._buffer's storage is the one the views share; "
+        "_owns_buffer and is_unsharded say whether there is anything to free.",
+        "layout: end = 0; for each numel: end = round_up(end, align); record end; end += numel; "
+        "return offsets, round_up(end, N). shard: s = len(full) / N; the slice [rank * s, "
+        "(rank + 1) * s). views: for each info: the slice at info.offset of info.numel "
+        "elements, viewed as info.shape (no detach, no copy). reshard: if it owns a buffer and "
+        "is unsharded: shrink the buffer's untyped storage to 0 bytes; is_unsharded = False.",
+    ),
 )

@@ -1,5 +1,6 @@
 """Lab 05's planted bugs: layout copies a learner plausibly gets wrong (Note [copy-in and
-copy-out], Note [padding], Note [version counter]).
+copy-out], Note [padding], Note [dim-0 chunks], Note [version counter], Note [freeing with
+resize_]).
 
 Each function replaces one seam (``@replaces``); tests/test_labs.py checks that the checker
 rejects it and points where the bug shows first.
@@ -80,18 +81,90 @@ def chunk_r_into_the_next_slot(group, params, grads, dtype):
     return flat
 
 
+@replaces("fsdp2.all_gather_copy_out")
+@torch.no_grad()
+def never_copies(group, gathered, world):
+    """Allocates the unsharded buffers and stops, as if alloc_unsharded() already held the
+    gathered values: every parameter keeps whatever the buffer held before (Note [copy-in and
+    copy-out]). The old checker filled that very buffer with the expected values first."""
+    _outs(group, world)
+
+
+@replaces("fsdp2.all_gather_copy_out")
+@torch.no_grad()
+def slots_of_the_group_not_the_buffer(group, gathered, world):
+    """Views the buffer as ``group.world_size`` rows instead of ``world``: right at N slots,
+    wrong after ``reshard_after_forward=k``, whose buffer has k (Note [reshard to k ranks])."""
+    outs = _outs(group, world)
+    n = group.world_size
+    rows = gathered.view(n, -1).split([p.padded_shard_numel for p in group.fsdp_params], dim=1)
+    with torch.autograd._unsafe_preserve_version_counter(tuple(outs)):
+        for out, piece in zip(outs, rows):
+            out.copy_(piece.reshape(out.shape))
+
+
+@replaces("fsdp2.all_gather_copy_out")
+@torch.no_grad()
+def new_storage_through_data(group, gathered, world):
+    """Builds each parameter in fresh memory and swaps it in with ``.data =``: the values are
+    right, but reshard's ``resize_(0)`` frees the old buffer, not this one, so every step
+    keeps the unsharded parameters alive (Note [freeing with resize_])."""
+    outs = _outs(group, world)
+    rows = gathered.view(world, -1).split([o.shape[1] for o in outs], dim=1)
+    for p, piece in zip(group.fsdp_params, rows):
+        full = piece.reshape(-1).clone()
+        p.unsharded_param.data = full[: p.unsharded_param.numel()].view(p.unsharded_param.shape)
+
+
+@replaces("fsdp2.reduce_scatter_copy_in")
+@torch.no_grad()
+def rows_split_by_tensor_split(group, params, grads, dtype):
+    """Splits each gradient's rows with ``torch.tensor_split`` (sizes differ by at most one)
+    instead of ``torch.chunk`` (ceil-sized, the last short or empty): the same for 5 or 6 rows
+    at N = 3, not for 7 (3, 2, 2 against 3, 3, 1) (Note [dim-0 chunks])."""
+    n = group.world_size
+    slot_numel = sum(p.padded_shard_numel for p in params)
+    flat = grads[0].new_zeros(n * slot_numel, dtype=dtype)
+    tag(flat, "comm")
+    slots = flat.view(n, slot_numel)
+    for r in range(n):
+        offset = 0
+        for p, g in zip(params, grads):
+            chunk = torch.tensor_split(g, n)[r].reshape(-1)
+            slots[r, offset: offset + chunk.numel()].copy_(chunk)
+            offset += p.padded_shard_numel
+    return flat
+
+
 # What the checker must say about each bug: the report's status, the jobs to run (the smallest
 # that shows the bug), and where the first divergence is (case, checked value) or the line.
+COPY_OUT_CASE = "copy-out of one group (7 and 10 rows; N slots and 1; fp32 and bf16)"
 EXPECTED = {
     "reads_the_buffer_parameter_major": dict(
-        status="diverged", world_sizes=(2,), phase="copy-out",
-        name="body.0.weight, unsharded (element = rank * 1000 + index in the slot)",
+        status="diverged", world_sizes=(2,), phase="copy-out", case=COPY_OUT_CASE,
+        name="0.weight, unsharded from a 2-rank buffer, fp32",
         hint="the all-gather buffer is rank-major"),
-    "overwrites_saved_tensors_unseen": dict(status="crash", world_sizes=(2,),
-                                            hint="modified by an inplace operation"),
+    "overwrites_saved_tensors_unseen": dict(
+        status="diverged", world_sizes=(2,), phase="copy-out", case=COPY_OUT_CASE,
+        name="0.weight: version counter unchanged by the copy-out (2-rank buffer, fp32)",
+        hint="Note [version counter]"),
     "drops_the_padding": dict(status="diverged", world_sizes=(2,), phase="copy-in",
-                              name="reduce-scatter input (N slots, padding zero)"),
+                              name="reduce-scatter input (2 slots, padding zero, fp32)"),
     "chunk_r_into_the_next_slot": dict(status="diverged", world_sizes=(2,), phase="copy-in",
-                                       name="reduce-scatter input (N slots, padding zero)",
+                                       name="reduce-scatter input (2 slots, padding zero, fp32)",
                                        hint="rank blocks permuted"),
+    "never_copies": dict(status="diverged", world_sizes=(2,), phase="copy-out",
+                         case=COPY_OUT_CASE, name="0.weight, unsharded from a 2-rank buffer, fp32",
+                         hint="never wrote"),
+    "slots_of_the_group_not_the_buffer": dict(
+        status="diverged", world_sizes=(2,), phase="copy-out", case=COPY_OUT_CASE,
+        name="0.weight, unsharded from a 1-rank buffer, fp32 (reshard_after_forward=k)",
+        hint="Note [reshard to k ranks]"),
+    "new_storage_through_data": dict(
+        status="diverged", world_sizes=(2,), phase="copy-out", case=COPY_OUT_CASE,
+        name="0.weight: the unsharded parameter still views its own buffer (2-rank buffer, fp32)",
+        hint="Note [freeing with resize_]"),
+    "rows_split_by_tensor_split": dict(
+        status="diverged", world_sizes=(3,), phase="copy-in",
+        name="reduce-scatter input (3 slots, padding zero, fp32)", hint="Note [dim-0 chunks]"),
 }
