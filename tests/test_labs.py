@@ -135,3 +135,26 @@ def test_labs_readme_lists_every_lab_file_seam_and_command():
         assert Path(spec.skeleton).name in row, row
         for s in spec.seams:
             assert f"`{s.name}`" in row, f"lab {lab}: seam {s.name} missing from {row}"
+
+
+def test_hints_are_graded_and_asked_for_one_at_a_time(tmp_path, monkeypatch):
+    """Every lab has three hints (idea and Notes; data structures and invariants; pseudo-code),
+    given one per request and remembered beside the reader's copy; none is the package's code
+    (no line of the seam's reference source appears in a hint)."""
+    monkeypatch.setattr(labs, "repo_root", lambda: tmp_path)
+    for lab_id in seams.LAB_IDS:
+        lab = seams.get_lab(lab_id)
+        assert len(lab.hints) == 3 and all(len(h) > 80 for h in lab.hints), lab_id
+        assert "Note [" in lab.hints[0], f"lab {lab_id}: the first hint names the Notes to read"
+        shown = [labs.hint(lab_id) for _ in range(4)]
+        for k in range(3):
+            assert shown[k].startswith(f"lab {lab_id}, hint {k + 1} of 3: "), shown[k]
+        assert shown[3] == shown[2]  # the last hint stays the last
+        assert labs.hint(lab_id, 1) == shown[0].split("\n")[0] + "\n(ask again for hint 2)"
+        code = {ln.strip() for s in lab.seams
+                for ln in inspect.getsource(getattr(*s.target())).splitlines()
+                if len(ln.strip()) > 30 and not ln.strip().startswith(("#", '"""', "``"))}
+        for h in lab.hints:
+            assert not any(ln in h for ln in code), f"lab {lab_id}: a hint quotes the package"
+    with pytest.raises(ValueError, match="lab 00 has hints 1 to 3, not 4"):
+        labs.hint("00", 4)

@@ -301,4 +301,18 @@ LAB = Lab(
     run=run_lab,
     hint=hint,
     oracle="torch's fully_shard (and the package's reference for minifsdp-only switches)",
+    hints=(
+        'Prefetching is guessing which group runs next and starting its all-gather now, so '
+        'that it is done when that group needs it. Read Note [which group is next] and Note '
+        '[issue and wait]: an explicit list (set_modules_to_*_prefetch) is not a hint, it '
+        "replaces the guess; the guess is 'what ran next last time'.",
+        "Forward: ctx.last_forward_order is last forward's order of groups, ctx.forward_order"
+        " this one's so far, ctx.on_track whether the two agree up to here. Backward runs the"
+        ' groups in the reverse of ctx.post_forward_order; state.post_forward_indices says '
+        'where this group sits. issue() is safe to call with None or with a group already '
+        'gathered or in flight, and every rank must issue the same groups in the same order.',
+        'forward: if explicit list: issue(those groups) / elif implicit and on track and a '
+        'next group exists in last order: issue(it). backward: if explicit list: issue(those)'
+        ' / elif implicit and i is not None and i > 0: issue(post_forward_order[i - 1]).',
+    ),
 )

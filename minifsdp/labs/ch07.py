@@ -156,4 +156,22 @@ LAB = Lab(
     run=run_lab,
     hint=hint,
     oracle="torch's fully_shard with the same MixedPrecisionPolicy (and the package's copy-in)",
+    hints=(
+        'Mixed precision changes dtypes at exactly three places: the copy into the all-gather'
+        ' buffer (the cast to param_dtype, so the wire carries it), the choice of the reduce '
+        "dtype, and the way back from the reduced slot to each fp32 shard's .grad. Read Note "
+        '[mixed precision] and Note [copy-in and copy-out].',
+        'The buffer holds N slots of S padded elements each, rank-major; your slot is the '
+        'view [rank * S, (rank + 1) * S). copy_() casts as it copies, so no separate cast is '
+        "needed. The reduce dtype is the policy's reduce_dtype, else param_dtype, else the "
+        "gradients' own; all gradients must agree before they share one buffer. A sharded "
+        "parameter's .grad is fp32 (the master weights' dtype) with the shard's shape, "
+        'padding rows dropped.',
+        "copy-in: gathered = empty(N * S, param_dtype) tagged 'comm'; slot = "
+        'gathered[r*S:(r+1)*S]; for each input: '
+        'slot[offset:offset+numel].copy_(input.flatten()). reduce dtype: dtypes.reduce or '
+        'dtypes.param or grads[0].dtype. to shards: for each param: rows of out at its '
+        "offset, viewed as the shard's shape, .to(param dtype) if needed, then assign or "
+        'accumulate into .grad.',
+    ),
 )

@@ -229,4 +229,16 @@ LAB = Lab(
     run=run_lab,
     hint=hint,
     oracle="the full tensors' rows (DCP, saved at N ± 1) and the uninterrupted run",
+    hints=(
+        'A checkpoint saved at N ranks holds each tensor as N row chunks; loading at another '
+        'N means each new rank reads the rows it will own from whichever saved chunks overlap'
+        " them. Read Note [resharding] and Note [what DCP stores]. (torch's own default load "
+        'planner already reshards like this; the lab builds the rule it follows.)',
+        'This rank owns the rows [lo, hi) that torch.chunk gives it over d0 rows at '
+        'world_size: ceil(d0 / world_size) rows a chunk, the last ones shorter or empty. Each'
+        ' saved chunk is a half-open row range (a, b); the answer lists, in row order, the '
+        'non-empty intersections.',
+        'per = ceil(d0 / world_size); lo = min(rank * per, d0); hi = min(lo + per, d0); for '
+        '(a, b) in saved: s, e = max(lo, a), min(hi, b); if s < e: keep (s, e).',
+    ),
 )

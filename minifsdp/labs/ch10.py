@@ -215,4 +215,19 @@ LAB = Lab(
     run=run_lab,
     hint=hint,
     oracle="the unbucketed graph and eager SimpleFSDP",
+    hints=(
+        "Bucketing replaces a block's many small all-gathers by one: concatenate the shards, "
+        "gather once, and cut each parameter's rows back out, so every consumer sees exactly "
+        'the tensor it saw before. Read Note [a bucket in the graph], Note [copy-in and copy-'
+        'out] and Note [padding].',
+        "The gathered buffer is rank-major: N slots, each the concatenation of this block's "
+        "flattened shards in run order. Viewed as [N, total], parameter p's columns are "
+        '[off_p, off_p + numel_p); viewed back as [N * rows_per_rank, ...] they are its '
+        "padded full tensor, whose first dim-0 rows are the real ones. Every old wait's users"
+        ' must read the new tensor instead; the old nodes must go.',
+        'before the first all-gather: flat = [reshape(s, [-1]) for s in shards]; cat; one AG.'
+        ' Before the first wait: WAIT it; view [N, total]; per parameter: slice its columns, '
+        'reshape to [N * rows, *rest], narrow to the real rows; replace_all_uses_with of its '
+        'old wait; then erase the old waits and all-gathers.',
+    ),
 )
