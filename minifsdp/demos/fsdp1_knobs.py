@@ -222,7 +222,9 @@ def run(impl: str, knobs: dict, info, events: Events) -> dict:
         out["memory"] = {"peak": tracker.peak, "peak_by_category": tracker.peak_by_category,
                          **{f"max_{c}": max(s[c] for s in tl) for c in ("params", "grads",
                                                                         "comm")},
-                         "end": {c: tl[-1][c] for c in ("params", "grads", "optimizer")}}
+                         "end": {c: tl[-1][c] for c in ("params", "grads", "optimizer")},
+                         # what no background thread frees: the same bytes in every run
+                         "steady_peak": max(s["total"] - s["comm"] - s["other"] for s in tl)}
     if impl != "fsdp2":
         out["params"] = full_params(impl, model)
     if knobs.get("frozen") and impl != "fsdp2":
