@@ -40,7 +40,7 @@ NOTEBOOKS = sorted((Path(__file__).resolve().parent.parent / "notebooks").glob("
 def test_each_notebooks_first_cell_prints_what_this_machine_runs(path):
     cells = [c for c in json.loads(path.read_text())["cells"] if c["cell_type"] == "code"]
     assert "print(describe_machine())" in "".join(cells[0]["source"]), path.name
-    shown = "".join(o.get("text", "") for o in cells[0].get("outputs", []))
+    shown = "".join("".join(o.get("text", "")) for o in cells[0].get("outputs", []))  # str or lines
     assert shown.startswith("this machine: "), f"{path.name}: the stored first cell shows {shown!r}"
 
 
