@@ -19,7 +19,7 @@
 # The section (device, torch, date, commit) is appended to $GPU_CHECK_OUT (default
 # benchmarks/RESULTS.md); without CUDA the default is runs/gpu_check/RESULTS.md instead, so a
 # CPU dry run never lands in benchmarks/RESULTS.md. Logs: runs/gpu_check/.
-# Time limits (seconds, env): GPU_CHECK_TOTAL_S (450), GPU_CHECK_CHECK_S (90),
+# Time limits (seconds, env): GPU_CHECK_TOTAL_S (480), GPU_CHECK_CHECK_S (150),
 # GPU_CHECK_BENCH_S (120), GPU_CHECK_NOTEBOOKS_S (150); the tests get what is left.
 
 set -u
@@ -27,7 +27,7 @@ cd "$(dirname "$0")/.." || exit 1
 PY=${PYTHON:-python3}
 QUICK=${GPU_CHECK_QUICK:-0}
 T0=$(date +%s)
-TOTAL=${GPU_CHECK_TOTAL_S:-450}
+TOTAL=${GPU_CHECK_TOTAL_S:-480}
 WORK=runs/gpu_check
 rm -rf "$WORK" && mkdir -p "$WORK"
 SECTION=$WORK/section.md
@@ -92,7 +92,7 @@ trap 'say interrupted; exit 130' INT TERM
 } >> "$SECTION"
 
 # ---- (a) gpucheck: parity at world size 1, then the bench ---------------------------------------
-S=$(min "${GPU_CHECK_CHECK_S:-90}" "$(left)"); t=$(date +%s)
+S=$(min "${GPU_CHECK_CHECK_S:-150}" "$(left)"); t=$(date +%s)
 say "(a) gpucheck ${CHECK_ARGS[*]} (deadline ${S}s)"
 deadline "$S" "$PY" -m minifsdp.gpucheck ${CHECK_ARGS[@]+"${CHECK_ARGS[@]}"} --timeout $(( S - 5 )) --out "$WORK/check.md" \
     > "$WORK/gpucheck.log" 2>&1

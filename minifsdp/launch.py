@@ -398,6 +398,11 @@ def _worker_env(out_dir: Path, env: dict[str, str] | None, pg_timeout: float | N
     child_env["PYTHONPATH"] = os.pathsep.join(
         p for p in (str(Path(__file__).resolve().parent.parent), child_env.get("PYTHONPATH")) if p
     )
+    if choice.device_type == "cpu":
+        # a CPU job sees no GPU, as in CI: no rank opens a CUDA context on a GPU the job does
+        # not use (N ranks, N contexts on one card), and torch's defaults cannot pick one
+        # (torch FSDP1 without device_id takes "the current accelerator").
+        child_env["CUDA_VISIBLE_DEVICES"] = ""
     if pg_timeout is not None:
         child_env["MINIFSDP_PG_TIMEOUT"] = str(pg_timeout)
     return child_env

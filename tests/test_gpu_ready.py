@@ -119,9 +119,12 @@ def test_the_launcher_applies_the_rule_once_and_hands_it_to_the_workers(
     monkeypatch.setattr(torch.cuda, "is_available", lambda: gpus > 0)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
     monkeypatch.delenv("MINIFSDP_BACKEND", raising=False)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     choice = launch._choice(ranks, None)
     env = launch._worker_env(tmp_path, None, None, choice)
     assert choice.backend == env["MINIFSDP_BACKEND"] == backend
+    # a CPU job's workers see no GPU (no CUDA context per rank on the one card); NCCL's do
+    assert (env.get("CUDA_VISIBLE_DEVICES") == "") == (backend == "gloo")
     assert env["MINIFSDP_LAUNCHER"] == "1"  # progress as protocol lines, for the launcher
     # a job's own env wins over the machine's rule (tests and labs pin gloo this way)
     assert launch._choice(ranks, {"MINIFSDP_BACKEND": "gloo"}).backend == "gloo"

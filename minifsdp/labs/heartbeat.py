@@ -10,6 +10,10 @@ import sys
 from collections.abc import Iterator
 
 import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
+
+# the public ``dist.set_timeout`` is new (torch 2.12+); before it, the same call was private
+_set_pg_timeout = getattr(dist, "set_timeout", None) or c10d._set_pg_timeout
 
 _SECONDS: float | None = None  # the watchdog's silence limit, while armed
 _TIMEOUT: float | None = None  # the collectives' short timeout, once set
@@ -19,7 +23,7 @@ def set_timeout(seconds: float) -> None:
     """Every collective from now on raises after waiting ``seconds`` for its peers."""
     global _TIMEOUT
     _TIMEOUT = seconds
-    dist.set_timeout(datetime.timedelta(seconds=seconds))
+    _set_pg_timeout(datetime.timedelta(seconds=seconds))
 
 
 def arm(seconds: float) -> None:
@@ -52,7 +56,7 @@ def patient(seconds: float = 120.0) -> Iterator[None]:
     watchdog, timeout = _SECONDS, _TIMEOUT
     disarm()
     if timeout is not None:
-        dist.set_timeout(datetime.timedelta(seconds=seconds))
+        _set_pg_timeout(datetime.timedelta(seconds=seconds))
     try:
         yield
         if timeout is not None:
