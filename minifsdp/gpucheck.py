@@ -48,9 +48,9 @@ differs on CUDA at N = 1:
    aligns alike, Note [alignment] in ``minifsdp.flat_param``; every numel of this GPT is a
    multiple of 4 anyway), the fp32 cast of the gradient (a no-op in fp32), TF32 (off:
    ``make_deterministic``): none changes a bit of the forward, and the losses agree.
-3. **The optimizer** (a hypothesis when written, confirmed since, below): ``torch.optim`` runs its ``foreach``
-   kernels by default only when every parameter is on CUDA *and* of type exactly
-   ``torch.Tensor`` or ``nn.Parameter`` (``_default_to_fused_or_foreach``,
+3. **The optimizer** (a hypothesis when written, confirmed since, below): ``torch.optim``
+   runs its ``foreach`` kernels by default only when every parameter is on CUDA *and* of type
+   exactly ``torch.Tensor`` or ``nn.Parameter`` (``_default_to_fused_or_foreach``,
    ``_foreach_supported_types``). Torch's FSDP1 with ``use_orig_params=True`` hands the
    optimizer the original ``nn.Parameter`` s: foreach. Ours hands it ``FlatParameter`` s, a
    subclass: the per-tensor loop. The two are the same formula but not the same kernels: the
