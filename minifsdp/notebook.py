@@ -11,8 +11,10 @@ kinds of output therefore exist:
 - exact, machine-independent facts print as they are: byte and element counts, collective
   counts, shapes, ``torch.equal`` between two runs on *this* machine, ratios of exact counts;
 - anything whose digits depend on the CPU's kernels (losses, drifts, differences that are not
-  bitwise zero, timings) prints as a ``claim``: the statement and its bound, checked, with the
-  measured value shown only when the claim is false.
+  bitwise zero, timings) prints as a ``claim``: the statement and its bound, checked, and
+  the measured value after a `` · measured: `` marker, so the reader sees the number. nbval's
+  sanitizer (notebooks/nbval_sanitize.cfg) masks what follows the marker: the check on the
+  value runs on every machine, its digits are never compared with the stored ones.
 
 ``claim`` is also how the prose stays honest: every number a markdown cell states is restated
 by a ``claim`` in the code cell next to it, so a notebook whose text drifts from its
@@ -59,16 +61,17 @@ class ClaimError(AssertionError):
 
 
 def claim(statement: str, holds: bool, measured: Any = None) -> None:
-    """Print ``✓ statement`` if ``holds``; else raise ``ClaimError`` showing ``measured``.
+    """Print ``✓ statement · measured: <value>`` if ``holds``; else raise ``ClaimError``.
 
     The statement is what the prose says, bound included; ``measured`` is the number behind
-    it (any object), printed only on failure, so a CPU-dependent value never becomes part of
-    a stored output while the check on it still runs (Note [what a notebook prints]).
+    it (any object, shown short: floats to 4 significant digits, long reprs cut). nbval masks
+    everything after `` · measured: `` (Note [what a notebook prints]), so a CPU-dependent
+    value is shown to the reader without becoming part of what the stored output must equal.
 
     Example:
         >>> drift = 0.0271                       # depends on the CPU's kernels
         >>> claim("bf16 drifts from fp32 by less than 0.05", drift < 0.05, drift)
-        ✓ bf16 drifts from fp32 by less than 0.05
+        ✓ bf16 drifts from fp32 by less than 0.05 · measured: 0.0271
         >>> ratio = 1.5
         >>> claim("ZeRO-2 sends 1x", ratio == 1, ratio)  # doctest: +IGNORE_EXCEPTION_DETAIL
         Traceback (most recent call last):
@@ -80,7 +83,25 @@ def claim(statement: str, holds: bool, measured: Any = None) -> None:
                         f"{type(holds).__name__} (compare, or use .item())")
     if not holds:
         raise ClaimError(f"✗ {statement} -- measured: {measured!r}")
-    print(f"✓ {statement}")
+    print(f"✓ {statement}" + ("" if measured is None else f" · measured: {_measured(measured)}"))
+
+
+def _measured(value: Any, limit: int = 160) -> str:
+    """``value`` for one line: floats to 4 significant digits (also inside tuples, lists and
+    dicts), the whole cut to ``limit`` characters."""
+    def fmt(v: Any) -> str:
+        if isinstance(v, float):
+            return f"{v:.4g}"
+        if isinstance(v, (tuple, list)):
+            inner = ", ".join(fmt(x) for x in v)
+            return f"({inner})" if isinstance(v, tuple) else f"[{inner}]"
+        if isinstance(v, dict):
+            return "{" + ", ".join(f"{k}: {fmt(x)}" for k, x in v.items()) + "}"
+        if hasattr(v, "item") and getattr(v, "ndim", None) == 0:  # a 0-d tensor or array
+            return fmt(v.item())
+        return repr(v)
+    text = fmt(value).replace("\n", " ")
+    return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
 def _find(lines: list[str], marker: str, obj: Any) -> int:

@@ -16,9 +16,13 @@ def test_docstring_examples_run():
     assert doctest.testmod(notebook).failed == 0
 
 
-def test_a_true_claim_prints_only_the_statement(capsys):
+def test_a_true_claim_shows_its_value_where_nbval_does_not_compare_it(capsys):
     claim("max |Δparam| < 1e-4", 3.2e-6 < 1e-4, 3.2e-6)
-    assert capsys.readouterr().out == "✓ max |Δparam| < 1e-4\n"  # the value stays out
+    out = capsys.readouterr().out
+    assert out == "✓ max |Δparam| < 1e-4 · measured: 3.2e-06\n"  # the reader sees the number
+    assert _sanitize(out) == "✓ max |Δparam| < 1e-4\n"  # nbval compares the statement only
+    claim("a fact", True)
+    assert capsys.readouterr().out == "✓ a fact\n"
 
 
 def test_a_false_claim_raises_with_the_measured_value():
@@ -58,10 +62,10 @@ def test_what_differs_between_machines_is_sanitized():
     """The machine line and a job's backend line read differently on a laptop and on a GPU box;
     nbval must compare them as equal (and compare the rest)."""
     laptop = ("this machine: torch 2.14.1+cu130, no GPU: every job runs on CPU with gloo\n"
-              "✓ a claim\n")
+              "✓ a claim · measured: 0.0271\n")
     gpu_box = ("this machine: torch 2.11.0+cu130, 1 GPU (NVIDIA H200): a job of up to 1 rank runs "
                "on NCCL, one GPU each; a larger job on CPU with gloo\n"
                "2 ranks, 1 GPU: this job runs on CPU with gloo (NCCL needs a GPU per rank)\n"
-               "✓ a claim\n")
-    assert _sanitize(laptop) == _sanitize(gpu_box)
+               "✓ a claim · measured: (0.0302, {'a': 1})\n")
+    assert _sanitize(laptop) == _sanitize(gpu_box) == _sanitize("this machine: x\n✓ a claim\n")
     assert _sanitize(laptop) != _sanitize(laptop.replace("a claim", "another claim"))
