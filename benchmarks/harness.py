@@ -56,8 +56,10 @@ def train_step(model, opt, x, y) -> None:
 
 def time_rounds(models: dict, opts: dict, x, y, info, args) -> dict[str, list[list[float]]]:
     """Warm up, then ``rounds`` x (every strategy ``steps`` times), interleaved so that drift
-    in the machine's speed hits all alike. A step lasts as long as its slowest rank's, after
-    a barrier. Returns ``times[name][round][step]`` in seconds."""
+    in the machine's speed hits all alike, and the order rotated by one each round so that
+    each strategy runs first (right after the warm-up or the previous round) equally often
+    over ``len(models)`` rounds, not always the same one. A step lasts as long as its slowest
+    rank's, after a barrier. Returns ``times[name][round][step]`` in seconds."""
     import torch
     import torch.distributed as dist
 
@@ -75,10 +77,17 @@ def time_rounds(models: dict, opts: dict, x, y, info, args) -> dict[str, list[li
         for _ in range(args.warmup):
             step(name)
     times: dict[str, list[list[float]]] = {name: [] for name in models}
-    for _ in range(args.rounds):
-        for name in models:
+    names = list(models)
+    for r in range(args.rounds):
+        for name in rotated(names, r):
             times[name].append([step(name) for _ in range(args.steps)])
     return times
+
+
+def rotated(names: list[str], r: int) -> list[str]:
+    """Round ``r``'s order: ``names`` rotated left by ``r`` (every rank computes the same)."""
+    k = r % len(names) if names else 0
+    return names[k:] + names[:k]
 
 
 def tracked_peaks(models: dict, opts: dict, x, y, info) -> dict[str, dict[str, int]]:
