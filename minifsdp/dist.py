@@ -215,9 +215,12 @@ def dist_setup(backend: str | None = None, timeout_s: float | None = None) -> Di
 def _install_stack_dumps() -> None:
     """Make a stuck worker explain itself: on SIGUSR1 (sent by the launcher on timeout) or
     SIGTERM (sent by torchrun when a peer failed) print every thread's Python stack to
-    stderr, which the launcher shows. ``chain=True`` keeps SIGTERM's default action.
+    stderr, which the launcher shows. ``chain=True`` keeps SIGTERM's default action. A crash
+    in native code (SIGSEGV, SIGABRT, SIGBUS, SIGFPE, SIGILL) prints the Python stack too
+    (``faulthandler.enable``): "rank 0 was killed by signal 11" alone names no frame.
     Windows has neither ``faulthandler.register`` nor SIGUSR1: there a hang is still ended by
     the process group's timeout, without the stacks."""
+    faulthandler.enable(file=sys.stderr, all_threads=True)
     if not hasattr(faulthandler, "register") or not hasattr(signal, "SIGUSR1"):
         return
     faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)

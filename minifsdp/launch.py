@@ -488,7 +488,9 @@ def _worker_error(name: str, launcher_out: str, errs: dict[int, str], code: int)
         return WorkerError(f"{name}: torchrun exited with code {code}:\n"  # an import error
                            f"{_tail(launcher_out, 60)}", rank, errs)      # in torchrun, ...)
     rank_code = int(m.group(2)) if m else code
-    own, _ = _split_stack_dump(errs[rank])
+    own, dump = _split_stack_dump(errs[rank])
+    if rank_code < 0 and "Fatal Python error" in own:  # a native crash: where it was
+        own += dump  # (faulthandler, enabled by dist._install_stack_dumps)
     if rank_code < 0:  # killed by a signal: it could print nothing of its own
         sig = signal.Signals(-rank_code).name if -rank_code in signal.valid_signals() else "?"
         msg = f"{name}: rank {rank} was killed by signal {-rank_code} ({sig})"

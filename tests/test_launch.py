@@ -48,6 +48,16 @@ def test_rank_killed_by_a_signal_names_it_and_shows_the_survivors_error():
     assert "Garbage-collecting" not in msg
 
 
+def test_rank_crashing_in_native_code_names_the_signal_and_the_python_frame():
+    with pytest.raises(WorkerError) as err:
+        torchrun(WORKER, "--mode", "segv", nproc=2, chapter="tests", name="launch_segv",
+                 timeout=120)
+    msg = str(err.value)
+    assert err.value.rank == 1
+    assert "rank 1 was killed by signal 11 (SIGSEGV)" in msg
+    assert "Fatal Python error: Segmentation fault" in msg and "faulty.py" in msg  # the frame
+
+
 def test_hung_rank_fails_within_the_collective_timeout():
     t0 = time.monotonic()
     with pytest.raises(WorkerError) as err:

@@ -5,9 +5,11 @@
     --mode hang   rank 1 sleeps forever, so rank 0 waits in all_reduce
     --mode exit   rank 1 exits with code 3 without a traceback
     --mode kill   rank 1 is killed by SIGKILL (the OOM killer's signal) while rank 0 waits
+    --mode segv   rank 1 crashes in native code (reads address 0) while rank 0 waits
 """
 
 import argparse
+import ctypes
 import os
 import signal
 import time
@@ -33,6 +35,9 @@ if info.rank == 1:
     if args.mode == "kill":
         time.sleep(1)  # rank 0 is inside all_reduce by now
         os.kill(os.getpid(), signal.SIGKILL)
+    if args.mode == "segv":
+        time.sleep(1)
+        ctypes.string_at(0)  # SIGSEGV, as a crash inside a library would
 for i in range(3):
     report_progress(i + 1, 3, loss=1.0 / (i + 1))
 dist.all_reduce(t)
