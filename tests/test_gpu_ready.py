@@ -193,7 +193,7 @@ REVIEWED = {
         "gloo's dtype limits are checked on gloo only; NCCL takes bf16/fp16/fp8",
     ("labs/report.py", 'g, e = got.detach().cpu(), expected.detach().cpu()'):
         "a lab compares bits in host memory, whatever device produced them",
-    ("train.py", 'return {k: v.detach().cpu() for k, v in sd.items()}'):
+    ("probes.py", 'return {k: v.detach().cpu() for k, v in sd.items()}'):
         "full parameters for parity checks: saved and compared on any machine",
 }
 
