@@ -31,14 +31,16 @@ def bucket_run(g, run):
     size, name = first.args[1], first.args[2]
     for a in run:  # each shard (and its pad) is now computed before the first all-gather
         _hoist(a.args[0], first, order)
-    # TODO(lab 10): the rewrite, with g.call_function(op, args) nodes.
-    #   before `first` (g.inserting_before): flatten each shard (reshape to [-1]), cat them
-    #   in run order, one AG(cat, size, name);
-    #   before `first_wait`: WAIT it, view it as [size, total]; per parameter, slice its
-    #   columns (dim 1), clone, reshape to a.meta["val"]'s shape, and point the users of
-    #   _wait_of(a) at that (replace_all_uses_with);
-    #   then erase each old wait and all-gather (users first), and label the bucket for
-    #   graph_passes.collectives: meta["param"] = the run's parameters joined by ",",
-    #   meta["val"] = torch.empty(size * total, device="meta"). (about 20 lines)
+    # TODO(lab 10): the rewrite, with g.call_function(op, args) nodes (AG, WAIT, _aten.*),
+    #   inserted with g.inserting_before(...). The contract, which the checker holds you to:
+    #   - ONE all-gather for the whole run, issued at `first`'s place and waited at
+    #     `first_wait`'s, over the run's shards in run order (size and name as before);
+    #   - every former user of _wait_of(a) reads, instead, a tensor with a.meta["val"]'s
+    #     shape and the very bits the old wait returned (padding rows included);
+    #   - no old all-gather or wait is left in g;
+    #   - the new all-gather node is labelled for graph_passes.collectives:
+    #     meta["param"] = the run's parameter names joined by ",", meta["val"] = a meta
+    #     tensor of its output's numel (size * total).
+    #   Stuck? python -m minifsdp.labs 10 --hint (three graded hints).
     raise NotImplementedError("lab 10: bucket_run in labs/lab10_bucketing.py")
 
