@@ -5,8 +5,9 @@ hooks call yours through seams "prefetch.forward" (minifsdp.fsdp2.prefetch.after
 and "prefetch.backward" (minifsdp.fsdp2.prefetch.after_pre_backward).
 Check: python -m minifsdp.labs 06      (start: python -m minifsdp.labs 06 --start)
 Bar: at N = 2 and 3, each step's all-gathers and reduce-scatters are issued in the order
-torch's fully_shard issues them (its default, and the same explicit lists; the package's own
-order for implicit forward prefetch), and losses and parameters equal torch's bit for bit.
+torch's fully_shard issues them (its default, and the same explicit lists of one and of two
+modules; the package's own order for implicit forward prefetch and for none), and losses and
+parameters equal torch's bit for bit.
 """
 
 # given: issue(groups) issues each group's all-gather, async, in order; None and groups already
@@ -31,9 +32,11 @@ def after_pre_forward(state):
         k, last = len(ctx.forward_order), ctx.last_forward_order
         ctx.on_track = ctx.on_track and k < len(last) and last[k] is state.group
         ctx.forward_order.append(state.group)
-    # TODO(lab 06): an explicit list replaces the guess: issue its groups, in order. Else, if
-    # implicit forward prefetch is on and this forward is on track, issue the group that came
-    # next in the last forward -- if there was one. (about 5 lines)
+    # TODO(lab 06): issue (through issue()) the all-gathers this hook owes, and nothing else.
+    # Contract: an explicit list, when set, decides alone: all of its groups, in its order.
+    # Without one, and only with implicit forward prefetch on, the guess of Note [which group
+    # is next] -- never a group past the end of the last forward, never off its track.
+    # Same calls on every rank (Note [same order on every rank]); never wait.
     raise NotImplementedError("lab 06: after_pre_forward in labs/lab06_prefetch.py")
 
 
@@ -48,7 +51,9 @@ def after_pre_backward(state):
     """
     indices = state.post_forward_indices  # given: the forward whose backward runs now
     i = indices.pop() if indices else None  # (None: this module has no group, or ran no forward)
-    # TODO(lab 06): an explicit list replaces the guess: issue its groups, in order. Else, if
-    # implicit backward prefetch is on, issue the group whose backward comes next: the one
-    # before position i in post_forward_order -- if there is one. (about 4 lines)
+    # TODO(lab 06): issue (through issue()) the all-gathers this hook owes, and nothing else.
+    # Contract: an explicit list, when set, decides alone: all of its groups, in its order.
+    # Without one, and only with implicit backward prefetch on, the group whose backward runs
+    # next (Note [which group is next]) -- none after the last backward of this step.
+    # Same calls on every rank; never wait.
     raise NotImplementedError("lab 06: after_pre_backward in labs/lab06_prefetch.py")

@@ -172,11 +172,15 @@ def _train(impl: str, model_name: str, config: str, info, steps: int = 3) -> lis
         shard(block, mesh=mesh)
     shard(model, mesh=mesh)
     units = list(model.blocks)
-    if config == "explicit":  # one unit ahead, on every rank (Note [same order on every rank])
-        for module, nxt in zip([model, *units], units):
-            module.set_modules_to_forward_prefetch([nxt])
-        for module, prev in zip([model, *units[::-1]], units[::-1]):
-            module.set_modules_to_backward_prefetch([prev])
+    if config.startswith("explicit"):  # lists of 1 or 2 units ahead, on every rank (Note [same
+        ahead = 2 if config == "explicit two ahead" else 1  # order on every rank])
+        for j, module in enumerate([model, *units]):  # root -> units[0:a], unit j -> j+1..
+            if units[j:j + ahead]:
+                module.set_modules_to_forward_prefetch(units[j:j + ahead])
+        rev = units[::-1]
+        for j, module in enumerate([model, *rev]):  # in backward order, the same way
+            if rev[j:j + ahead]:
+                module.set_modules_to_backward_prefetch(rev[j:j + ahead])
     elif impl != "torch":
         model.set_implicit_prefetch(forward=config == "implicit forward",
                                     backward=config != "none")
@@ -256,7 +260,11 @@ def run_lab(t, info) -> None:
               "reference"),
              ("GPT, prefetching switched off", "gpt", "none", "reference"),
              ("4 units under a root with no parameters, default prefetch", "stack", "default",
-              "torch")]
+              "torch"),
+             ("4 units under a root with no parameters, explicit lists two ahead", "stack",
+              "explicit two ahead", "torch"),
+             ("GPT, explicit lists two blocks ahead (forward and backward)", "gpt",
+              "explicit two ahead", "torch")]
     for title, model_name, config, oracle in cases:
         with t.case(f"{title}, vs {'torch' if oracle == 'torch' else 'the reference'}",
                     (FWD, BWD)):
@@ -286,6 +294,15 @@ def hint(name: str, got, expected, n: int) -> str | None:
         return ("yours never prefetched here: every all-gather was issued by its own group's "
                 "hook, just in time. After a group's own all-gather, issue the next group's "
                 "(Note [which group is next]); an explicit list replaces the guess")
+    j = next((j for j, (a, b) in enumerate(zip(got, expected)) if a != b), None)
+    if j is not None and j + 1 < len(got) and expected[j].startswith("AG"):
+        if got[j].startswith("AG") and got[j + 1] == expected[j] and got[j] == expected[j + 1]:
+            return ("two all-gathers swapped: an explicit list is issued in its own order (a "
+                    "backward list is already in backward order; Note [which group is next])")
+        if j > 0 and expected[j - 1].startswith("AG") and not got[j].startswith("AG"):
+            return ("yours issued fewer all-gathers at this point than expected: a list of "
+                    "several modules is issued whole, in its order, by its module's hook "
+                    "(Note [which group is next])")
     return ("the same collectives in another order: the prefetch targets another group than "
             "the reference's (Note [which group is next])")
 
@@ -304,8 +321,9 @@ LAB = Lab(
     hints=(
         'Prefetching is guessing which group runs next and starting its all-gather now, so '
         'that it is done when that group needs it. Read Note [which group is next] and Note '
-        '[issue and wait]: an explicit list (set_modules_to_*_prefetch) is not a hint, it '
-        "replaces the guess; the guess is 'what ran next last time'.",
+        '[issue and wait]: an explicit list (set_modules_to_*_prefetch, of one module or of '
+        "several) is not a hint, it replaces the guess; the guess is 'what ran next last "
+        "time'.",
         "Forward: ctx.last_forward_order is last forward's order of groups, ctx.forward_order"
         " this one's so far, ctx.on_track whether the two agree up to here. Backward runs the"
         ' groups in the reverse of ctx.post_forward_order; state.post_forward_indices says '

@@ -87,7 +87,87 @@ def only_rank_0_prefetches(state):
         issue([state.ctx.post_forward_order[i - 1]])
 
 
+
+@replaces("prefetch.forward")
+def prefetches_only_the_first_of_a_list(state):
+    """Reads an explicit list as "the next module": issues ``forward_prefetch[0]`` and drops the
+    rest. With lists of one module it is right; a list of two (two blocks ahead, more memory
+    for more overlap) loses its second entry (Note [which group is next]: a list *replaces*
+    the guess, all of it)."""
+    ctx = state.ctx
+    if state.group is not None:
+        k, last = len(ctx.forward_order), ctx.last_forward_order
+        ctx.on_track = ctx.on_track and k < len(last) and last[k] is state.group
+        ctx.forward_order.append(state.group)
+    if state.forward_prefetch:
+        issue([state.forward_prefetch[0].group])
+    elif state.implicit_forward_prefetch and ctx.on_track:
+        k = len(ctx.forward_order)
+        issue(ctx.last_forward_order[k:k + 1])
+
+
+@replaces("prefetch.backward")
+def reverses_the_backward_list(state):
+    """"Backward runs in reverse", so it reverses the backward list too: the list is already in
+    backward order, and torch issues it as given. Invisible with one module per list; with two,
+    the later group's all-gather goes first (Note [which group is next], Note [same order on
+    every rank]: the order of issue is part of the contract)."""
+    indices = state.post_forward_indices
+    i = indices.pop() if indices else None
+    if state.backward_prefetch:
+        issue(s.group for s in state.backward_prefetch[::-1])
+    elif state.implicit_backward_prefetch and i:
+        issue([state.ctx.post_forward_order[i - 1]])
+
+
+@replaces("prefetch.backward")
+def ignores_the_backward_list(state):
+    """Prefetches in forward as asked but treats backward as implicit only: the explicit
+    backward list is never read. With one-ahead lists the implicit guess issues the same
+    groups (the bug hides); a list two ahead shows it (Note [which group is next])."""
+    indices = state.post_forward_indices
+    i = indices.pop() if indices else None
+    if state.implicit_backward_prefetch and i:
+        issue([state.ctx.post_forward_order[i - 1]])
+
+
+@replaces("prefetch.forward")
+def never_prefetches_the_last_block(state):
+    """Off by one at the end: asks ``k + 1 < len(last)`` for "is there a next group" after
+    this group was appended (k counts it already), so the group before the last prefetches
+    nothing and the last block's all-gather waits on the critical path (Note [which group is
+    next])."""
+    ctx = state.ctx
+    if state.group is not None:
+        k, last = len(ctx.forward_order), ctx.last_forward_order
+        ctx.on_track = ctx.on_track and k < len(last) and last[k] is state.group
+        ctx.forward_order.append(state.group)
+    if state.forward_prefetch:
+        issue(s.group for s in state.forward_prefetch)
+    elif state.implicit_forward_prefetch and ctx.on_track:
+        k = len(ctx.forward_order)
+        if k + 1 < len(ctx.last_forward_order):
+            issue(ctx.last_forward_order[k:k + 1])
+
+
+@replaces("prefetch.forward")
+def skips_modules_without_parameters(state):
+    """Returns early when ``state.group`` is None ("no group, nothing to do"): a root whose
+    parameters all live in its children still has its own prefetch list, the first blocks'
+    all-gathers, and they are never issued (Note [which group is next])."""
+    ctx = state.ctx
+    if state.group is None:
+        return
+    k, last = len(ctx.forward_order), ctx.last_forward_order
+    ctx.on_track = ctx.on_track and k < len(last) and last[k] is state.group
+    ctx.forward_order.append(state.group)
+    if state.forward_prefetch:
+        issue(s.group for s in state.forward_prefetch)
+    elif state.implicit_forward_prefetch and ctx.on_track:
+        issue(ctx.last_forward_order[k + 1:k + 2])
+
 _GPT = "GPT, torch's default: implicit backward prefetch, vs torch"
+_TWO = "4 units under a root with no parameters, explicit lists two ahead, vs torch"
 # What the checker must say about each bug: the report's status, the jobs to run (the smallest
 # that shows the bug), and where the first divergence is (case, checked value) or the line.
 EXPECTED = {
@@ -107,4 +187,18 @@ EXPECTED = {
     "prefetches_past_the_last_group": dict(status="crash", world_sizes=(2,),
                                            where="lab06.py:74"),
     "only_rank_0_prefetches": dict(status="hang", world_sizes=(2,)),
+    "prefetches_only_the_first_of_a_list": dict(
+        status="diverged", world_sizes=(2,), case=_TWO, step=0, phase="forward",
+        name="collectives in forward"),
+    "reverses_the_backward_list": dict(status="diverged", world_sizes=(2,), case=_TWO, step=0,
+                                       phase="backward", name="collectives in backward"),
+    "ignores_the_backward_list": dict(status="diverged", world_sizes=(2,), case=_TWO, step=0,
+                                      phase="backward", name="collectives in backward"),
+    "never_prefetches_the_last_block": dict(
+        status="diverged", world_sizes=(2,), step=1, phase="forward",
+        case="GPT, implicit forward prefetch (minifsdp only), vs the reference",
+        name="collectives in forward"),
+    "skips_modules_without_parameters": dict(status="diverged", world_sizes=(2,), case=_TWO,
+                                             step=0, phase="forward",
+                                             name="collectives in forward"),
 }
