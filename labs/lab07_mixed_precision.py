@@ -5,8 +5,9 @@ the cast before the all-gather), "fsdp2.reduce_dtype" and "fsdp2.grads_to_shards
 (reduce_scatter_dtype / to_sharded_grads in minifsdp/fsdp2/reduce.py: the gradients' dtypes).
 Check: python -m minifsdp.labs 07      (start: python -m minifsdp.labs 07 --start)
 Bar: losses, fp32 gradients and fp32 parameters of 3 Adam steps equal torch's fully_shard with
-MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32, then None) bit for bit at N = 2 and
-3, and every all-gather / reduce-scatter moves its dtype's bytes (bf16: half of fp32's).
+MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32, then None with 2 backwards a step) bit
+for bit at N = 2 and 3, and each step's all-gathers / reduce-scatters are the ones the model's
+groups imply, each in its dtype with its bytes (bf16: half of fp32's).
 """
 
 import torch

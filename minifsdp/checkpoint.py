@@ -15,9 +15,13 @@ Note [sharded vs full state dicts]: a *full* state dict is the whole model as pl
 every parameter all-gathered, then one process writes everything -- the full model's bytes in
 one rank's memory and through one writer. A *sharded* one is what ``model.state_dict()``
 returns under FSDP2 (Note [state dicts] in ``fsdp2/api.py``): DTensors whose local rows are
-already on the rank, so each rank writes its own rows, in parallel, and nothing crosses the
-network. Replicated tensors (DDP's parameters, Adam's ``step``) are the same on every rank:
-DCP writes each once, on the rank with the fewest bytes planned so far.
+already on the rank, so each rank writes its own rows, in parallel, and no tensor data crosses
+the network: only DCP's planning is collective (``_save_state_dict`` in torch's
+state_dict_saver.py gathers the local plans on the coordinator and scatters the global plan
+back, ``_DistWrapper.reduce_scatter``, then gathers the write results for ``.metadata``,
+``_DistWrapper.all_reduce``: small pickled objects). Replicated tensors (DDP's parameters,
+Adam's ``step``) are the same on every rank: DCP writes each once, on the rank with the fewest
+bytes planned so far.
 
 Note [what DCP stores]: ``dcp.save`` writes, per rank r, ``__r_0.distcp`` (its chunks, byte
 after byte) and, from rank 0 after every rank reported what it wrote, ``.metadata``: for each
@@ -31,7 +35,7 @@ So ranks write into ``step_000040.tmp``; after a barrier, rank 0 writes the mani
 the directory to ``step_000040`` (a rename is atomic) and only then repoints ``latest``
 (written to ``latest.tmp``, fsynced, ``os.replace``-d). A crash before the rename leaves a
 ``.tmp`` directory that no reader looks at (the next save deletes it); ``latest`` still names
-the previous step. The ``keep`` newest step directories are kept. A load validates first:
+the previous step. The ``keep`` newest step directories are kept. A load checks first:
 manifest present and parseable, every listed file present with its recorded size, ``.metadata``
 readable -- on rank 0, which broadcasts the verdict, so every rank raises the same
 ``CheckpointError`` instead of some ranks waiting in a collective for the others. (Sizes catch
@@ -39,13 +43,18 @@ truncation, not flipped bits: DCP keeps no checksums. Bytes that no longer unpic
 DCP's read, which DCP reports to every rank.)
 
 Note [resharding]: DCP loads into the tensors the *current* model has. A DTensor says which
-rows this rank needs (its ``Shard(0)`` chunk of the global shape); DCP intersects that with the
-chunks in ``.metadata`` and reads just the overlapping bytes. ``chunk_dim0`` is ``torch.chunk``,
-DTensor's own rule, so the stored chunks are what DCP expects (tests/test_checkpoint.py checks
-the offsets). (10, 8) saved at N = 4 is rows 0-2 | 3-5 | 6-8 | 9; at N = 3 rank 1 needs rows
-4-7: rows 4-5 from ``__1_0.distcp``, 6-7 from ``__2_0.distcp``. Adam's ``exp_avg`` is a
-DTensor laid out like its parameter, so it reshards the same way; a plain (DDP) tensor loads
-into a DTensor and back, i.e. a checkpoint also switches strategies.
+rows this rank needs (its ``Shard(0)`` chunk of the global shape); torch's own
+``DefaultLoadPlanner`` already reshards: ``create_read_items_for_chunk_list``
+(planner_helpers.py) intersects it with the chunks in ``.metadata``, one ``ReadItem`` per
+overlap (``ReshardingLoadPlanner`` below re-derives the same reads for dim-0 shards, for lab
+08). ``FileSystemReader.read_data`` (filesystem.py) then reads, per ``ReadItem``, the stored
+chunk's whole byte range, ``torch.load``s it and narrows it to the overlap: a rank reads every
+saved chunk that overlaps its rows in full, not only the overlapping bytes. ``chunk_dim0`` is
+``torch.chunk``, DTensor's own rule, so the stored chunks are what DCP expects
+(tests/test_checkpoint.py checks the offsets). (10, 8) saved at N = 4 is rows 0-2 | 3-5 | 6-8 |
+9; at N = 3 rank 1 needs rows 4-7: rows 4-5 from ``__1_0.distcp``, 6-7 from ``__2_0.distcp``.
+Adam's ``exp_avg`` is a DTensor laid out like its parameter, so it reshards the same way; a
+plain (DDP) tensor loads into a DTensor and back, i.e. a checkpoint also switches strategies.
 
 Note [bitwise resume]: the resumed run is the uninterrupted one, bit for bit, when it restores
 (1) parameters and optimizer state, Adam's ``step`` included (its bias correction), (2) the
@@ -187,7 +196,9 @@ def validate(path: str | os.PathLike) -> dict:
 
     Raises ``CheckpointError`` for: no manifest (an interrupted save, or not ours), an
     unreadable manifest, a listed file missing or of another size (truncated, overwritten),
-    an unreadable ``.metadata``. Local file checks only: no process group needed.
+    an unreadable ``.metadata``. Local file checks only: no process group needed. A
+    completeness check, not a content check: sizes, not checksums, so a file rewritten with
+    other bytes of the same length passes.
     """
     path = Path(path)
     file = path / MANIFEST

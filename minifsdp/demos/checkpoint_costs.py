@@ -11,9 +11,13 @@ trains one step (so AdamW's state exists), then saves it twice:
   (every DTensor all-gathered; ``cpu_offload=True`` keeps the result on rank 0 only), then
   ``torch.save`` on rank 0.
 
-For each it reports per rank: seconds (after a barrier), bytes this rank wrote, and the peak of
+For each it reports per rank: seconds (after a barrier), bytes this rank wrote, the peak of
 *extra* live tensor memory while saving (``MemoryTracker``, above what the model and optimizer
-already hold). Results: ``rank{r}.json`` under ``MINIFSDP_OUT``.
+already hold: DCP's and gloo's temporaries included, so it varies a little between machines),
+and ``gathered_bytes``: the exact bytes of the tensors the save builds and holds besides the
+model's and optimizer's own (the full save's gathered state dict on rank 0; none for the
+sharded save, which hands DCP the DTensors each rank already holds). Results:
+``rank{r}.json`` under ``MINIFSDP_OUT``.
 """
 
 from __future__ import annotations
@@ -60,27 +64,37 @@ def main() -> None:
         t0 = time.perf_counter()
         with tracker:
             base = tracker.current()["total"]
-            written = save()
+            written, gathered = save()
         dist.barrier()
         return {"seconds": time.perf_counter() - t0, "bytes_written": written,
-                "extra_peak": tracker.peak - base}
+                "extra_peak": tracker.peak - base, "gathered_bytes": gathered}
 
-    def sharded() -> int:
+    def tensor_bytes(tree) -> int:  # every tensor in a nested dict / list, counted once
+        if isinstance(tree, torch.Tensor):
+            return tree.numel() * tree.element_size()
+        if isinstance(tree, dict):
+            return sum(tensor_bytes(v) for v in tree.values())
+        if isinstance(tree, (list, tuple)):
+            return sum(tensor_bytes(v) for v in tree)
+        return 0
+
+    def sharded() -> tuple[int, int]:
         step_dir = save_checkpoint(out / "sharded", model, opt, step=1, keep=1)
-        return rank_bytes(step_dir, info.rank)
+        return rank_bytes(step_dir, info.rank), 0
 
-    def full() -> int:
+    def full() -> tuple[int, int]:
         opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
         state = {"model": get_model_state_dict(model, options=opts),
                  "optim": get_optimizer_state_dict(model, opt, options=opts)}
         if info.rank != 0:
-            return 0
+            return 0, tensor_bytes(state)
         (out / "full").mkdir(parents=True, exist_ok=True)
         torch.save(state, out / "full" / "model_and_optim.pt")
-        return (out / "full" / "model_and_optim.pt").stat().st_size
+        return (out / "full" / "model_and_optim.pt").stat().st_size, tensor_bytes(state)
 
     results = {"sharded": measure(sharded), "full": measure(full)}
     finish({**results, "num_params": sum(p.numel() for p in model.parameters()),
+            "param_tensors": len(list(model.parameters())),
             "world_size": info.world_size})
 
 

@@ -151,6 +151,42 @@ def _reshard_cases(t, root, save_mesh, load_mesh, n: int) -> None:
     dist.barrier()
 
 
+# Saved layouts that torch.chunk never makes: another framework's (or a hand-written) split,
+# an empty chunk between two others, chunks listed out of row order. DCP's .metadata can hold
+# any of them (it records each chunk's offsets and sizes), so the reads must come from
+# ``saved`` itself, never from re-deriving the saving run's split.
+OTHER_LAYOUTS = [(10, [(0, 1), (1, 7), (7, 10)]), (10, [(0, 4), (4, 4), (4, 10)]),
+                 (10, [(6, 10), (0, 6)]), (9, [(0, 8), (8, 9)]),
+                 (5, [(0, 2), (2, 2), (2, 3), (3, 5)])]
+
+
+def _reads_by_rows(d0: int, n: int, rank: int, saved) -> list[tuple[int, int, int]]:
+    """The expected reads from the rows themselves: this rank's rows are torch.chunk's (torch
+    itself, not a formula), each row read from the saved chunk holding it, runs merged."""
+    import torch
+
+    parts = torch.arange(d0).chunk(n)
+    mine = parts[rank].tolist() if rank < len(parts) else []
+    reads: list[list[int]] = []
+    for row in mine:
+        i = next(i for i, (a, b) in enumerate(saved) if a <= row < b)
+        if reads and reads[-1][0] == i and reads[-1][2] == row:
+            reads[-1][2] = row + 1
+        else:
+            reads.append([i, row, row + 1])
+    return [tuple(x) for x in reads]
+
+
+def _other_layouts_case(t, n: int, rank: int) -> None:
+    from minifsdp import checkpoint
+
+    with t.case("saved layouts that are not torch.chunk splits (the reads, no DCP)", (ROWS,)):
+        for d0, saved in OTHER_LAYOUTS:
+            t.expect(f"d0 = {d0}, saved chunks {saved}: reads",
+                     list(checkpoint.rows_to_read(d0, n, rank, list(saved))),
+                     _reads_by_rows(d0, n, rank, saved))
+
+
 def _train_step(model, opt, n: int, r: int, step: int):
     import torch
 
@@ -165,7 +201,8 @@ def _train_step(model, opt, n: int, r: int, step: int):
 
 def run_lab(t, info) -> None:
     """Lab 08's cases, on every rank: DTensors saved at N - 1 ranks (a sub-mesh) and loaded at
-    N, saved at N and loaded at N - 1, against the full tensors' rows; then a real
+    N, saved at N and loaded at N - 1, against the full tensors' rows; the reads from saved
+    layouts that are not torch.chunk splits (``OTHER_LAYOUTS``); then a real
     ``save_checkpoint`` / ``load_checkpoint`` of a ``fully_shard`` model and one AdamW step."""
     import shutil
     import tempfile
@@ -186,6 +223,7 @@ def run_lab(t, info) -> None:
     small = DeviceMesh("cpu", list(range(n - 1)))
     _reshard_cases(t, root, small, full_mesh, n)
     _reshard_cases(t, root / "back", full_mesh, small, n)
+    _other_layouts_case(t, n, r)
 
     def build():
         torch.manual_seed(0)

@@ -72,8 +72,68 @@ def keeps_the_reduced_dtype(group, params, out):
             p.sharded_param.grad._local_tensor.add_(mine)
 
 
+@replaces("fsdp2.all_gather_copy_in")
+@torch.no_grad()
+def casts_to_fp16(group):
+    """Casts the shards to ``torch.half`` ("half precision") instead of the policy's
+    param_dtype: the same bytes on the wire, but fp16 (5 exponent bits, 10 mantissa bits) is
+    not bf16 (8 and 7), and the copy-out rebuilds parameters of the wrong dtype (Note [mixed
+    precision]: the copy-in casts to ``group.dtypes.gather``)."""
+    inputs = [p.all_gather_input() for p in group.fsdp_params]
+    slot_numel = sum(t.numel() for t in inputs)
+    gathered = torch.empty(group.world_size * slot_numel, dtype=torch.float16)
+    tag(gathered, "comm", label="all-gather buffers")
+    my_slot = gathered.narrow(0, group.rank * slot_numel, slot_numel)
+    torch.cat(inputs, out=my_slot)
+    return my_slot, gathered
+
+
+@replaces("fsdp2.all_gather_copy_in")
+@torch.no_grad()
+def rounds_to_bf16_but_gathers_fp32(group):
+    """Rounds each shard to bf16 and back, then all-gathers the fp32 buffer: every value the
+    forward sees is right, and the all-gather moves fp32's 4 bytes per element for bf16's
+    information (Note [mixed precision]: the buffer itself is param_dtype)."""
+    inputs = [p.all_gather_input().to(group.dtypes.gather).float() for p in group.fsdp_params]
+    slot_numel = sum(t.numel() for t in inputs)
+    gathered = inputs[0].new_empty(group.world_size * slot_numel)
+    tag(gathered, "comm", label="all-gather buffers")
+    my_slot = gathered.narrow(0, group.rank * slot_numel, slot_numel)
+    torch.cat(inputs, out=my_slot)
+    return my_slot, gathered
+
+
+@replaces("fsdp2.reduce_dtype")
+@torch.no_grad()
+def reduces_in_master_dtype(group, grads):
+    """Always reduces in the master weights' dtype (fp32, ``group.dtypes.orig``), reasoning
+    that the optimizer wants fp32 anyway: right under reduce_dtype=fp32, but a policy that
+    asks for a bf16 reduce-scatter gets an fp32 one of twice the bytes (Note [mixed
+    precision]: the reduce dtype is reduce_dtype, else param_dtype)."""
+    dtype = group.dtypes.orig
+    grads[:] = [g.to(dtype) for g in grads]
+    return dtype
+
+
+@replaces("fsdp2.grads_to_shards")
+@torch.no_grad()
+def assigns_instead_of_accumulating(group, params, out):
+    """Casts back to fp32 and sets every sharded ``.grad`` anew: right with one backward per
+    step, but a second backward before the optimizer step replaces the first one's gradient
+    instead of adding to it (Note [who owns the shard's storage]: an existing ``.grad`` is
+    added into)."""
+    out = out.to(group.dtypes.orig)
+    offset = 0
+    for p in params:
+        mine = out[offset: offset + p.sharded_numel].view(p.sharded_size)
+        offset += p.padded_shard_numel
+        p.sharded_param.grad = p.to_sharded_dtensor(mine)
+
+
 # What the checker must say about each bug: the report's status, the jobs to run (the smallest
 # that shows the bug), and where the first divergence is (case, checked value) or the line.
+BF16_CASE = ("3 Adam steps against torch's fully_shard, param_dtype=bf16, reduce in bf16, "
+             "2 backwards per step")
 EXPECTED = {
     "casts_after_the_all_gather": dict(
         status="diverged", world_sizes=(2,), case="the all-gather copy-in of each group, "
@@ -85,4 +145,16 @@ EXPECTED = {
         status="diverged", world_sizes=(2,), step=0, phase="backward",
         name="reduce-scatters of the step (tag, dtype, input bytes)", hint="reduce_dtype"),
     "keeps_the_reduced_dtype": dict(status="crash", world_sizes=(2,), where="lab07.py:70"),
+    "casts_to_fp16": dict(
+        status="diverged", world_sizes=(2,), case="the all-gather copy-in of each group, "
+        "bf16 params", name="body: all-gathered buffer"),
+    "rounds_to_bf16_but_gathers_fp32": dict(
+        status="diverged", world_sizes=(2,), case="the all-gather copy-in of each group, "
+        "bf16 params", name="body: all-gather wire bytes", hint="yours moved 2× the bytes"),
+    "reduces_in_master_dtype": dict(
+        status="diverged", world_sizes=(2,), case=BF16_CASE, step=0, phase="backward",
+        name="reduce-scatters of the step (tag, dtype, input bytes)", hint="reduce_dtype"),
+    "assigns_instead_of_accumulating": dict(
+        status="diverged", world_sizes=(2,), case=BF16_CASE, step=0, phase="backward",
+        name="scale.grad"),
 }
