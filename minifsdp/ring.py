@@ -36,8 +36,10 @@ Note [ring bytes]: every rank sends one chunk of S/N bytes per step, for 2(N-1) 
 2(N-1)/N * S bytes in total, *almost independent of N* (at most 2S). That is why the ring is
 bandwidth-optimal. The price is 2(N-1) sequential steps of latency, which is why libraries
 switch to trees for small messages. When N does not divide the number of elements, we pad to
-ceil(numel/N) elements per chunk; the padding adds 2(N-1) * (N*ceil(numel/N) - numel)
-elements, i.e. fewer than 2N elements' worth of bytes, whatever the size of the tensor.
+k = ceil(numel/N) elements per chunk, i.e. p = N*k - numel < N padding elements. Each rank still
+sends 2(N-1) chunks of k elements: 2(N-1)*k = 2(N-1)/N * (numel + p) elements, so the padding
+adds 2(N-1)/N * p elements, fewer than 2(N-1), whatever the size of the tensor (e.g. 10,001
+fp32 over N = 4: k = 2501, p = 3, 60,024 bytes sent instead of 60,006).
 
 Note [ring deadlock]: the obvious step, ``send(right); recv(left)`` with blocking calls,
 hangs. A blocking send returns only once the receiver has taken the data, and in a ring every

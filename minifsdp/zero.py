@@ -64,6 +64,9 @@ unchanged) -- yet each rank then uses only its 1/N of it, and pays another (N-1)
 all-gather the parameters: 1.5x DDP's bytes. A reduce-scatter delivers just the slice each
 rank needs for half an all-reduce's bytes; stage 2 uses it and frees the rest, which brings
 the traffic back to DDP's 2(N-1)/N S ("no additional communication", the paper's 7.2.1).
+Those are the ring algorithm's bytes, which NCCL's reduce-scatter sends; gloo has none of its
+own and runs it as an all-reduce of a copy of the input (torch's
+``ProcessGroupGloo::reduce_scatter_tensor_coalesced``), so on gloo stage 2 saves no traffic.
 
 Note [ZeRO memory categories]: how ``MemoryTracker`` sees these tensors. ``params``: the flat
 buffers, padding included (the shards are views, not copies). ``optimizer``: the inner
@@ -74,7 +77,10 @@ shards, tagged with ``memory.tag`` since no model parameter points to them. ``co
 2's bucket while backward fills it -- the whole model's size with one bucket, so a smaller
 ``bucket_cap_mb`` is what bounds stage 2's transient gradient memory. A gradient that
 autograd has just made, before our hook copies it into its bucket, is ``other`` (created in
-backward), one tensor at a time.
+backward), one tensor at a time. Also ``other``: on gloo, the copy of the whole bucket that
+stage 2's reduce-scatter makes inside the call (see Note [ZeRO-1 traffic]; NCCL makes none),
+and, in the step, the inner optimizer's temporaries over the shard (torch's single-tensor
+AdamW, its CPU default, makes two of the shard's size: 8 bytes per shard element).
 """
 
 from __future__ import annotations

@@ -29,7 +29,11 @@ and the step's messages follow one too, as in a step, where the previous collect
 already lined the ranks up.
 
 Times are rank 0's clock for rank 0's call. ``busbw`` follows nccl-tests: wire bytes over
-time, with all-gather / reduce-scatter sending (N-1)/N of the full tensor.
+time, with all-gather / reduce-scatter sending (N-1)/N of the full tensor. On gloo that is the
+ring algorithm's count, not what gloo does for a reduce-scatter: torch's
+``ProcessGroupGloo::reduce_scatter_tensor_coalesced`` clones the input, all-reduces the clone
+and copies this rank's chunk out, so gloo's reduce-scatter "busbw" is an all-reduce's time
+priced at half an all-reduce's bytes (chapter 03, section 6).
 """
 
 from __future__ import annotations
