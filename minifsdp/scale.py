@@ -35,9 +35,12 @@ stores it differently: the fp32 sharded parameter *is* the master copy, so at re
 holds (4 + 4 + 8) Psi / N (fp32 shards, fp32 sharded gradients, Adam) -- the same 16 Psi / N
 -- while bf16 exists only in the unsharded units, the activations and on the wire. What mixed
 precision buys FSDP is thus half the transient and activation memory and half the traffic
-(here ``mp`` means bf16 on the wire both ways; an fp32 ``reduce_dtype`` doubles the
-reduce-scatter bytes). ``exact=True`` (padding, one 4-byte Adam step per optimizer tensor) is
-what we measure at small N; at scale both are negligible and ignored.
+(``mp`` puts the parameters on the wire in bf16; the gradients go in ``reduce_bytes`` per
+element, by default what a policy without ``reduce_dtype`` does -- the param dtype, bf16 --
+while chapter 07 and torchtitan (``mixed_precision_reduce = "float32"`` in
+torchtitan/config/job_config.py) reduce in fp32: pass ``reduce_bytes=4`` for that, which
+doubles the reduce-scatter bytes). ``exact=True`` (padding, one 4-byte Adam step per
+optimizer tensor) is what we measure at small N; at scale both are negligible and ignored.
 
 Note [activations per layer]: Korthikanti et al. 2022 ("Reducing Activation Recomputation in
 Large Transformer Models", eq. 1): a GPT layer saves ``s*b*h*(34 + 5*a*s/h)`` bytes -- 16-bit
@@ -257,15 +260,19 @@ def fits(model: Transformer, strategy: str, n_gpus: int, micro_batch: int = 1,
 # ---- communication ---------------------------------------------------------------------------
 
 def comm_by_op(model: Transformer, strategy: str, n_gpus: int, mp: bool = False,
-               exact: bool = False, reshard_after_forward: bool = True) -> dict[str, float]:
+               exact: bool = False, reshard_after_forward: bool = True,
+               reduce_bytes: int | None = None) -> dict[str, float]:
     """Ring wire bytes each GPU sends per step, by collective (``minifsdp.comm``'s formulas:
     all-reduce 2(N-1)/N S, all-gather / reduce-scatter (N-1)/N S, S the full tensor).
 
     FSDP per unit: all-gather in forward, again in backward if resharded (never the root:
     Note [units and ...]), reduce-scatter of the gradients -- 3 collectives, or 2.
+    ``reduce_bytes``: bytes per gradient element on the wire (None: as the parameters, 2 under
+    ``mp``, else 4 -- Note [mixed precision at scale]).
     """
     n, f = n_gpus, (n_gpus - 1) / n_gpus
-    pb = gb = 2 if mp else 4  # on the wire: bf16 both ways under mp
+    pb = 2 if mp else 4  # parameters on the wire: bf16 under mp
+    gb = pb if reduce_bytes is None else reduce_bytes
     if strategy in ("ddp", "zero1", "zero2"):
         flat = (sum(_zero_buckets(model.param_shapes(), n, pb)) if exact and strategy != "ddp"
                 else model.num_params())
@@ -289,7 +296,8 @@ def comm_by_op(model: Transformer, strategy: str, n_gpus: int, mp: bool = False,
 
 
 def comm_bytes_per_gpu(model: Transformer, strategy: str, n_gpus: int, mp: bool = False,
-                       exact: bool = False, reshard_after_forward: bool = True) -> float:
+                       exact: bool = False, reshard_after_forward: bool = True,
+                       reduce_bytes: int | None = None) -> float:
     """Total wire bytes per GPU per step (``comm_by_op`` summed).
 
     Example:
@@ -297,7 +305,8 @@ def comm_bytes_per_gpu(model: Transformer, strategy: str, n_gpus: int, mp: bool 
         >>> round(comm_bytes_per_gpu(m, "fsdp", 8) / comm_bytes_per_gpu(m, "ddp", 8), 2)
         1.48
     """
-    return sum(comm_by_op(model, strategy, n_gpus, mp, exact, reshard_after_forward).values())
+    return sum(comm_by_op(model, strategy, n_gpus, mp, exact, reshard_after_forward,
+                          reduce_bytes).values())
 
 
 def comm_time_per_step(model: Transformer, strategy: str, n_gpus: int, mp: bool = False,

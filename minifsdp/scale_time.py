@@ -24,22 +24,33 @@ H100 SXM figure); achievable 794.5 TFLOP/s, the "maximum achievable matmul FLOPS
 for H100 SXM in stas00/ml-engineering, compute/accelerator/README.md (MAMF table, 80.3% of
 peak) -- the best a large bf16 matmul does, so compute time here is a lower bound and MFU an
 upper one; NVLink 4: 900 GB/s both directions, so 450e9 B/s bus bandwidth, the line rate;
-the network: one 400 Gb/s NIC per GPU (torchtitan's docs/performance.md and the Llama 3
-paper describe such clusters), so 50e9 B/s; 8 GPUs a node. The latencies (10 us in a node,
-30 us across) are assumptions, not measurements: at these message sizes they are below 1%
-of the communication time (the chapter checks it). Line rates make communication times lower
-bounds too: nccl-tests typically reports somewhat less.
+8 GPUs a node. The network: one 400 Gb/s NIC per GPU, 8 per node (DGX H100; torchtitan's
+docs/performance.md: "400 Gb/s per GPU"). A ring that spans nodes does not squeeze through
+one NIC: NCCL builds one ring per channel and puts each channel's node-crossing hop on a
+different NIC, so all 8 NICs carry a share and the bus bandwidth of a node-spanning ring is
+bounded by the node's 8 x 50 GB/s = 400e9 B/s, not by one NIC's 50 (NCCL's own cost model,
+src/graph/tuning.cc ``ncclTopoTuneModel``: busBw = nChannels x per-channel speed). Published
+nccl-tests all_reduce bus bandwidths on H100 + NDR clusters are 400-450 GB/s at multi-GB
+sizes (e.g. Saturn Cloud's cluster-validation guide, "H100 SXM, NVLink + IB NDR: 400-450
+GB/s", which includes SHARP/NVLS offload where present): 8x to 9x the one-NIC figure this
+module used before. Line rates make communication times lower bounds.
 
 Note [collective time]: ``latency + wire / busbw``, with wire = (N-1)/N S for all-gather
 and reduce-scatter and 2(N-1)/N S for all-reduce, S the full tensor's bytes -- nccl-tests'
 bus bandwidth convention (its doc/PERFORMANCE.md), so one measured busbw serves every N and
 op. The link: a group whose ranks share a node (ranks are numbered node by node) runs at
-``intra_bw``; a group that spans nodes runs at ``inter_bw``, the slowest hop of the ring,
-whatever NVLink does inside. FSDP over N > 8 GPUs therefore moves every byte at network
-speed. HSDP (``shard=S``) all-gathers and reduce-scatters within a node at NVLink speed and
-all-reduces only its 1/S slice across the N/S replicas over the network (Note [HSDP] in
-``minifsdp/fsdp2``). Not modelled: a ring's latency grows with its N-1 hops (NCCL switches
-to tree/PAT algorithms at scale), congestion, and SHARP in-network reductions.
+``intra_bw``; a group that spans nodes runs at ``inter_bw`` (Note [hardware defaults]: all 8
+NICs of a node, so only 1.1x below NVLink). The latency is a *ring's*, as NCCL models it
+(src/graph/tuning.cc, Ring/Simple, the protocol of large messages): a base of 8.4 us plus one
+per-hop latency per ring step -- N-1 steps for all-gather and reduce-scatter, 2(N-1) for
+all-reduce -- of which the steps that cross nodes (nodes-1, resp. 2(nodes-1)) cost 9.6 us
+and the rest 3.4 us (NVLink). So a ring's latency grows linearly with N: 4.3 ms for an
+all-gather over 1024 GPUs, as much as moving 1.7 GB. We model the ring for all three ops.
+NCCL has only the ring for all-gather and reduce-scatter at these sizes (PAT, its
+logarithmic algorithm, is for one GPU per node), but for all-reduce it may pick a tree,
+whose latency grows with log2(nodes) instead (tuning.cc: 2 ((N/nodes - 1) intra + log2(nodes)
+inter)) at a lower bandwidth: for HSDP's all-reduce the ring is the pessimistic choice.
+Not modelled: congestion, stragglers, SHARP / NVLS in-network reductions.
 
 Note [exposed communication at scale]: one compute stream, one communication stream, and
 prefetching one unit ahead (chapter 06). Each stretch of compute hides the communication
@@ -82,30 +93,34 @@ class Hardware:
     peak_flops: float = 989e12
     achievable_flops: float = 794.5e12
     intra_bw: float = 450e9
-    inter_bw: float = 50e9
-    intra_latency: float = 10e-6
-    inter_latency: float = 30e-6
+    inter_bw: float = 400e9
+    base_latency: float = 8.4e-6
+    intra_latency: float = 3.4e-6  # per ring step on NVLink
+    inter_latency: float = 9.6e-6  # per ring step that crosses nodes
     gpus_per_node: int = 8
 
-    def link(self, level: str) -> tuple[float, float]:
-        """(bus bandwidth, latency) of ``"intra"`` or ``"inter"``."""
+    def bandwidth(self, level: str) -> float:
+        """Bus bandwidth of ``"intra"`` (one node) or ``"inter"`` (a group spanning nodes)."""
         if level not in LINKS:
             raise ValueError(f"unknown link {level!r}; expected one of {LINKS}")
-        return ((self.intra_bw, self.intra_latency) if level == "intra"
-                else (self.inter_bw, self.inter_latency))
+        return self.intra_bw if level == "intra" else self.inter_bw
 
 
 H100 = Hardware()
 LLAMA31_8B = Transformer(32, 4096, 32, 8, 14336, 128256, 8192)  # Llama 3.1 8B's config.json
 
-# What torchtitan reports for FSDP2 on H100s (pytorch/torchtitan docs/performance.md, Tables 1
-# and 3): Llama 3.1 8B, local batch 2, sequence 8192 (torchtitan's llama3_8b default),
-# selective activation checkpointing, no torch.compile, no Float8; tokens/s per GPU.
+# What torchtitan reports for FSDP2 alone (1-D) on H100s (pytorch/torchtitan docs/performance.md,
+# Tables 1 and 3, the tables of its paper, arXiv 2410.06511): Llama 3.1 8B, local batch 2,
+# sequence 8192, selective activation checkpointing, no torch.compile, no Float8; tokens/s per
+# GPU. Their 70B and 405B rows use tensor / pipeline parallelism, which this model leaves out.
 PUBLISHED = [
     {"model": "Llama 3.1 8B", "gpus": 8, "micro_batch": 2, "seq_len": 8192, "tps": 5762},
     {"model": "Llama 3.1 8B", "gpus": 128, "micro_batch": 2, "seq_len": 8192, "tps": 5605},
 ]
 PUBLISHED_URL = "https://github.com/pytorch/torchtitan/blob/main/docs/performance.md"
+# The Llama 3 paper (arXiv 2407.21783, Table 4): 38-43% BF16 MFU on 8K-16K H100s with 4-D
+# parallelism (TP 8, CP, PP 16, FSDP) -- a reference level, not a configuration modelled here.
+LLAMA3_MFU = (0.38, 0.43)
 
 
 # ---- compute ---------------------------------------------------------------------------------
@@ -150,14 +165,30 @@ def bus_factor(op: str, n: int) -> float:
     raise ValueError(f"unknown collective {op!r}; expected all_gather, reduce_scatter, all_reduce")
 
 
+def ring_latency(op: str, n: int, nodes: int, hw: Hardware = None) -> float:
+    """Seconds of latency of a ring ``op`` over ``n`` ranks on ``nodes`` nodes, NCCL's model
+    (Note [collective time]): base + intra x (steps - inter steps) + inter x inter steps.
+
+    Example:
+        >>> round(ring_latency("all_gather", 1024, 128) * 1e3, 2)   # 896 NVLink + 127 network
+        4.27
+    """
+    hw = hw or H100
+    if n == 1:
+        return 0.0
+    k = 2 if op == "all_reduce" else 1
+    steps, inter = k * (n - 1), k * (nodes - 1)
+    return hw.base_latency + (steps - inter) * hw.intra_latency + inter * hw.inter_latency
+
+
 def collective_time(op: str, full_bytes: float, n: int, busbw: float, latency: float) -> float:
     """Seconds for one collective over ``n`` ranks of a ``full_bytes`` tensor (S: all-gather's
     output, reduce-scatter's input, all-reduce's buffer): ``latency + bus_factor * S / busbw``;
     0 for a group of one, which sends nothing.
 
     Example:
-        >>> collective_time("all_gather", 8e9, 8, busbw=50e9, latency=0.0)   # 7e9 B at 50 GB/s
-        0.14
+        >>> collective_time("all_gather", 8e9, 8, busbw=400e9, latency=0.0)  # 7e9 B at 400 GB/s
+        0.0175
     """
     if n == 1:
         return 0.0
@@ -182,36 +213,44 @@ def predict_messages(messages: list[dict], latency: dict[str, float],
 # ---- one step --------------------------------------------------------------------------------
 
 def schedule(model: Transformer, n_gpus: int, micro_batch: int, seq_len: int,
-             hw: Hardware = H100, shard: int | None = None, mp: bool = True,
-             activation_checkpointing: bool = True,
+             hw: Hardware = H100, shard: int | None = None, param_bytes: int = 2,
+             reduce_bytes: int = 4, activation_checkpointing: bool = True,
              reshard_after_forward: bool = True) -> dict:
     """The step as Note [exposed communication at scale] sees it: ``stretches`` (name, compute
     s, comm s hidden behind it), the exposed edges ``first`` and ``last``, and every
-    ``collective`` (unit, op, S bytes, group size, link, seconds). ``shard``: HSDP's shard
-    group size (None: FSDP over all ``n_gpus``)."""
+    ``collective`` (unit, op, S bytes, group size, nodes spanned, link, seconds). ``shard``:
+    HSDP's shard group size (None: FSDP over all ``n_gpus``). ``param_bytes`` /
+    ``reduce_bytes``: bytes per element of the all-gathers and of the gradient reductions --
+    the defaults are bf16 parameters with an fp32 reduce, chapter 07's advice and torchtitan's
+    default (``mixed_precision_reduce = "float32"``, torchtitan/config/job_config.py); pass
+    ``reduce_bytes=2`` for a bf16 reduce, 4 and 4 for fp32 training."""
     s_deg = n_gpus if shard is None else shard
     if s_deg < 1 or n_gpus % s_deg:
         raise ValueError(f"shard={shard}: must divide the {n_gpus} GPUs into equal groups")
-    r_deg, wire = n_gpus // s_deg, 2 if mp else 4  # replicas; bytes per element on the wire
-    shard_link = "intra" if s_deg <= hw.gpus_per_node else "inter"
-    rep_link = "intra" if n_gpus <= hw.gpus_per_node else "inter"
+    r_deg, gpn = n_gpus // s_deg, hw.gpus_per_node
+    # ranks are numbered node by node: the shard group is s_deg consecutive ranks, the
+    # replicate group every s_deg-th one
+    shard_nodes = -(-s_deg // gpn)
+    rep_nodes = len({k * s_deg // gpn for k in range(r_deg)})
     colls: list[dict] = []
 
-    def coll(unit: str, op: str, numel: int, n: int, link: str) -> float:
-        size = wire * numel
-        t = collective_time(op, size, n, *hw.link(link))
-        colls.append({"unit": unit, "op": op, "bytes": size, "n": n, "link": link, "seconds": t})
+    def coll(unit: str, op: str, numel: int, n: int, nodes: int) -> float:
+        size = (param_bytes if op == "all_gather" else reduce_bytes) * numel
+        link = "intra" if nodes == 1 else "inter"
+        t = collective_time(op, size, n, hw.bandwidth(link), ring_latency(op, n, nodes, hw))
+        colls.append({"unit": unit, "op": op, "bytes": size, "n": n, "nodes": nodes,
+                      "link": link, "seconds": t})
         return t
 
     root, block = (sum(math.prod(s) for s in u) for u in model.units()[:2])
 
     def ag(unit: str) -> float:
-        return coll(unit, "all_gather", root if unit == "root" else block, s_deg, shard_link)
+        return coll(unit, "all_gather", root if unit == "root" else block, s_deg, shard_nodes)
 
     def rs(unit: str) -> float:  # HSDP: reduce-scatter in the node, all-reduce the 1/S slice
         numel = root if unit == "root" else block
-        t = coll(unit, "reduce_scatter", numel, s_deg, shard_link)
-        return t + (coll(unit, "all_reduce", numel // s_deg, r_deg, rep_link) if r_deg > 1 else 0)
+        t = coll(unit, "reduce_scatter", numel, s_deg, shard_nodes)
+        return t + (coll(unit, "all_reduce", numel // s_deg, r_deg, rep_nodes) if r_deg > 1 else 0)
 
     tokens, rate = micro_batch * seq_len, hw.achievable_flops
     f_block, f_head = (tokens * f / rate for f in forward_flops_per_token(model, seq_len))
@@ -242,9 +281,9 @@ def exposed_time(stretches: list[tuple[str, float, float]], first: float, last: 
 
 
 def step_time(model: Transformer, n_gpus: int, micro_batch: int, seq_len: int,
-              hw: Hardware = H100, shard: int | None = None, mp: bool = True,
-              activation_checkpointing: bool = True, reshard_after_forward: bool = True,
-              overlap: bool = True) -> dict[str, float]:
+              hw: Hardware = H100, shard: int | None = None, param_bytes: int = 2,
+              reduce_bytes: int = 4, activation_checkpointing: bool = True,
+              reshard_after_forward: bool = True, overlap: bool = True) -> dict[str, float]:
     """Seconds of one step (one micro-batch of ``micro_batch x seq_len`` tokens per GPU) and
     what follows from them. Keys: compute, comm (every collective's time), exposed, step
     (= compute + exposed), mfu (model FLOPs / (step x peak)), tokens_per_s (per GPU),
@@ -253,9 +292,9 @@ def step_time(model: Transformer, n_gpus: int, micro_batch: int, seq_len: int,
     Example:
         >>> t = step_time(PRESETS["7B"], 8, 1, 4096)    # one node: NVLink hides the middle
         >>> round(t["mfu"], 3)   # full checkpointing: 6/8 of 794.5/989, less the edges
-        0.598
+        0.595
     """
-    plan = schedule(model, n_gpus, micro_batch, seq_len, hw, shard, mp,
+    plan = schedule(model, n_gpus, micro_batch, seq_len, hw, shard, param_bytes, reduce_bytes,
                     activation_checkpointing, reshard_after_forward)
     compute = sum(c for _, c, _ in plan["stretches"])
     comm = sum(c["seconds"] for c in plan["collectives"])
@@ -275,7 +314,8 @@ def published_mfu(row: dict, model: Transformer = LLAMA31_8B, hw: Hardware = H10
     return row["tps"] * flops_per_token(model, row["seq_len"]) / hw.peak_flops
 
 
-__all__ = ["H100", "LLAMA31_8B", "PRESETS", "PUBLISHED", "PUBLISHED_URL", "Hardware",
+__all__ = ["H100", "LLAMA31_8B", "LLAMA3_MFU", "PRESETS", "PUBLISHED", "PUBLISHED_URL", "Hardware",
            "bus_factor", "collective_time", "exposed_time", "flops_per_token",
            "forward_flops_per_token", "full_bytes", "predict_messages", "published_mfu",
+           "ring_latency",
            "schedule", "step_time"]

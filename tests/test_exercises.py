@@ -36,6 +36,13 @@ def ring_bytes_2n_steps(numel, element_size, world_size):
     return 2 * world_size * math.ceil(numel / world_size) * element_size  # N steps per phase
 
 
+def ring_bytes_padding_times_n(numel, element_size, world_size):
+    """The formula Note [ring bytes] once printed: padding p counted 2(N-1) times, not 2(N-1)/N."""
+    n = world_size
+    p = n * math.ceil(numel / n) - numel
+    return (2 * (n - 1) / n * numel + 2 * (n - 1) * p) * element_size
+
+
 def reduce_scatter(inputs):
     """Rank r gets chunk r of the elementwise sum of every rank's list."""
     n = len(inputs)
@@ -728,7 +735,8 @@ def min_gpus_exact_division(psi, gpu_bytes):
 
 # checker -> (the name it prints, a correct solution, wrong solutions)
 SOLUTIONS = {
-    "check_ring_bytes": ("ring bytes", ring_bytes, [ring_bytes_unpadded, ring_bytes_2n_steps]),
+    "check_ring_bytes": ("ring bytes", ring_bytes, [ring_bytes_unpadded, ring_bytes_2n_steps,
+                                                    ring_bytes_padding_times_n]),
     "check_reduce_scatter": ("reduce_scatter", reduce_scatter,
                              [reduce_scatter_full_sum, reduce_scatter_own_chunk]),
     "check_ring_schedule": ("ring schedule", chunk_sent,
@@ -894,6 +902,16 @@ def test_first_failing_case_is_the_one_shown(capsys):
     assert exercises.check_ring_bytes(ring_bytes_unpadded) is False
     assert one_line(capsys) == ("✗ ring bytes: ring_bytes_unpadded(10001, 4, 4) returned "
                                 "60006.0, expected 60024")
+
+
+def test_ring_bytes_answers_are_counted_and_match_the_note():
+    """The checker's answers are bytes counted from the package's ring; they equal Note [ring
+    bytes]'s 2(N-1) chunks of ceil(numel/N) elements, and not the old formula's count."""
+    ch00 = CHAPTERS[0]
+    for numel, e, n in [(10_001, 4, 4), (7, 2, 3), (1003, 8, 5), (1, 4, 8), (1000, 4, 1)]:
+        assert ch00.counted_ring_bytes(numel, e, n) == ring_bytes(numel, e, n)
+    old = ring_bytes_padding_times_n(10_001, 4, 4)
+    assert ch00.counted_ring_bytes(10_001, 4, 4) == 60024 != old
 
 
 def test_reduce_scatter_is_also_checked_against_a_measured_run(capsys):

@@ -43,6 +43,7 @@ from minifsdp.scale_time import (
     forward_flops_per_token,
     predict_messages,
     published_mfu,
+    ring_latency,
     schedule,
     step_time,
 )
@@ -212,7 +213,7 @@ def test_flops_per_token():
 TINY = Transformer(n_layer=2, d_model=4, n_head=1, n_kv_head=1, ffn_hidden=8, vocab_size=16,
                    max_seq_len=8)  # blocks of 168 parameters, a root of 132
 TINY_HW = Hardware(peak_flops=2000, achievable_flops=1000, intra_bw=100, inter_bw=10,
-                   intra_latency=0, inter_latency=0, gpus_per_node=2)
+                   base_latency=0, intra_latency=0, inter_latency=0, gpus_per_node=2)
 
 
 def test_step_by_hand():
@@ -220,7 +221,7 @@ def test_step_by_hand():
     Block forward 2 x (2 x 168 + 4 x 4 x 2) = 736 FLOPs -> 0.736 s; head 2 x 2 x 68 -> 0.272 s;
     a block's all-gather or reduce-scatter 1/2 x 4 x 168 B / 100 B/s = 3.36 s, the root's
     1/2 x 4 x 132 / 100 = 2.64 s."""
-    plan = schedule(TINY, 2, 1, 2, TINY_HW, mp=False)
+    plan = schedule(TINY, 2, 1, 2, TINY_HW, param_bytes=4, reduce_bytes=4)
     want = [("forward blocks.0", 0.736, 3.36), ("forward blocks.1", 0.736, 0.0),
             ("forward head", 0.272, 0.0), ("backward head", 0.544, 3.36),
             ("backward blocks.1", 2.208, 3.36), ("backward blocks.0", 2.208, 3.36)]
@@ -228,7 +229,7 @@ def test_step_by_hand():
     for (_, c, m), (_, wc, wm) in zip(plan["stretches"], want):
         assert (c, m) == pytest.approx((wc, wm), rel=1e-12)
     assert (plan["first"], plan["last"]) == pytest.approx((2.64 + 3.36, 3.36 + 2.64))
-    t = step_time(TINY, 2, 1, 2, TINY_HW, mp=False)
+    t = step_time(TINY, 2, 1, 2, TINY_HW, param_bytes=4, reduce_bytes=4)
     exposed = 12 + (3.36 - 0.736) + (3.36 - 0.544) + 2 * (3.36 - 2.208)
     compute = 2 * 0.736 + 0.272 + 0.544 + 2 * 2.208
     assert t["exposed"] == pytest.approx(exposed) and t["compute"] == pytest.approx(compute)
@@ -236,7 +237,8 @@ def test_step_by_hand():
     assert t["comm"] == pytest.approx(12 + 4 * 3.36) == t["comm_intra"]
     assert t["mfu"] == pytest.approx((6 * 404 + 12 * 2 * 4 * 2) * 2 / (t["step"] * 2000))
     # Without reshard_after_forward the backward all-gathers are gone.
-    no_re = schedule(TINY, 2, 1, 2, TINY_HW, mp=False, reshard_after_forward=False)
+    no_re = schedule(TINY, 2, 1, 2, TINY_HW, param_bytes=4, reduce_bytes=4,
+                     reshard_after_forward=False)
     assert [m for _, _, m in no_re["stretches"]] == pytest.approx([3.36, 0, 0, 0, 0, 3.36])
 
 
@@ -244,8 +246,8 @@ def test_exposed_limits():
     """No communication: step = compute. No compute: step = all communication. No prefetch:
     all communication exposed. Compute-bound without checkpointing: MFU = achievable / peak."""
     m = PRESETS["70B"]
-    free_comm = Hardware(intra_bw=float("inf"), inter_bw=float("inf"), intra_latency=0,
-                         inter_latency=0)
+    free_comm = Hardware(intra_bw=float("inf"), inter_bw=float("inf"), base_latency=0,
+                         intra_latency=0, inter_latency=0)
     t = step_time(m, 64, 1, 4096, free_comm, activation_checkpointing=False)
     assert t["comm"] == t["exposed"] == 0 and t["step"] == t["compute"]
     assert t["mfu"] == pytest.approx(794.5 / 989, rel=1e-12)
@@ -264,28 +266,60 @@ def test_exposed_limits():
 
 
 def test_hsdp_two_levels():
-    """FSDP across nodes moves every byte at network speed; HSDP (8 x 8) gathers and reduces
-    within a node over NVLink and all-reduces a 1/8 slice across nodes."""
+    """FSDP across nodes runs node-spanning rings over 64 ranks; HSDP (8 x 8) gathers and
+    reduces within a node over NVLink and all-reduces a 1/8 slice across the 8 nodes. Times
+    by hand from NCCL's ring model: base 8.4 us + 3.4 us per NVLink step + 9.6 us per
+    network step, bytes at 450 GB/s in a node and 400 GB/s (8 NICs) across."""
     m = PRESETS["70B"]
     block = sum(math.prod(s) for s in m.block_shapes())
     fsdp = schedule(m, 64, 1, 4096)["collectives"]
-    assert {(c["op"], c["n"], c["link"]) for c in fsdp} == \
-        {("all_gather", 64, "inter"), ("reduce_scatter", 64, "inter")}
+    assert {(c["op"], c["n"], c["nodes"], c["link"]) for c in fsdp} == \
+        {("all_gather", 64, 8, "inter"), ("reduce_scatter", 64, 8, "inter")}
+    ag = next(c for c in fsdp if c["op"] == "all_gather" and c["unit"] == "blocks.3")
+    assert ag["seconds"] == pytest.approx(8.4e-6 + 56 * 3.4e-6 + 7 * 9.6e-6
+                                          + 63 / 64 * 2 * block / 400e9, rel=1e-12)
+    rs = next(c for c in fsdp if c["op"] == "reduce_scatter" and c["unit"] == "blocks.3")
+    assert rs["bytes"] == 4 * block  # fp32 reduce by default (torchtitan's default)
     hsdp = schedule(m, 64, 1, 4096, shard=8)["collectives"]
-    assert {(c["op"], c["n"], c["link"]) for c in hsdp} == {
-        ("all_gather", 8, "intra"), ("reduce_scatter", 8, "intra"), ("all_reduce", 8, "inter")}
+    assert {(c["op"], c["n"], c["nodes"], c["link"]) for c in hsdp} == {
+        ("all_gather", 8, 1, "intra"), ("reduce_scatter", 8, 1, "intra"),
+        ("all_reduce", 8, 8, "inter")}
     ag = next(c for c in hsdp if c["op"] == "all_gather" and c["unit"] == "blocks.3")
-    assert ag["seconds"] == 10e-6 + 7 / 8 * 2 * block / 450e9  # bf16 on NVLink
+    assert ag["seconds"] == pytest.approx(8.4e-6 + 7 * 3.4e-6 + 7 / 8 * 2 * block / 450e9,
+                                          rel=1e-12)
     ar = next(c for c in hsdp if c["op"] == "all_reduce" and c["unit"] == "blocks.3")
-    assert ar["bytes"] == 2 * (block // 8)
-    assert ar["seconds"] == 30e-6 + 2 * 7 / 8 * 2 * (block // 8) / 50e9  # 1/8 on the network
+    assert ar["bytes"] == 4 * (block // 8)
+    assert ar["seconds"] == pytest.approx(8.4e-6 + 14 * 9.6e-6 + 2 * 7 / 8 * 4 * (block // 8)
+                                          / 400e9, rel=1e-12)
     # One node: everything on NVLink; HSDP 4 x 2 inside it all-reduces over NVLink too.
     assert {c["link"] for c in schedule(m, 8, 1, 4096)["collectives"]} == {"intra"}
     assert {c["link"] for c in schedule(m, 8, 1, 4096, shard=4)["collectives"]} == {"intra"}
-    # HSDP hides what FSDP cannot at 64 GPUs and 4096 tokens each.
-    assert step_time(m, 64, 1, 4096, shard=8)["mfu"] > 2 * step_time(m, 64, 1, 4096)["mfu"]
+    # HSDP 2 x 32 (shard groups of 4 nodes): replicas 32 ranks apart, 2 nodes
+    wide = schedule(m, 64, 1, 4096, shard=32)["collectives"]
+    assert {(c["op"], c["n"], c["nodes"]) for c in wide} == {
+        ("all_gather", 32, 4), ("reduce_scatter", 32, 4), ("all_reduce", 2, 2)}
+    # A bf16 reduce halves the reduction's bytes.
+    bf16 = schedule(m, 64, 1, 4096, reduce_bytes=2)["collectives"]
+    assert next(c for c in bf16 if c["op"] == "reduce_scatter")["bytes"] == 2 * block
     with pytest.raises(ValueError, match="shard=3"):
         schedule(m, 64, 1, 4096, shard=3)
+
+
+def test_ring_latency_grows_with_n():
+    """NCCL's ring model: N-1 steps (2(N-1) for all-reduce), nodes-1 of them on the network."""
+    assert ring_latency("all_gather", 1, 1) == 0
+    assert ring_latency("all_gather", 8, 1) == pytest.approx(8.4e-6 + 7 * 3.4e-6)
+    assert ring_latency("all_reduce", 16, 2) == pytest.approx(8.4e-6 + 28 * 3.4e-6 + 2 * 9.6e-6)
+    lat = [ring_latency("reduce_scatter", n, n // 8) for n in (64, 128, 256, 512, 1024)]
+    steps = [b - a for a, b in zip(lat, lat[1:])]
+    assert all(d > 0 for d in steps) and steps == sorted(steps)  # linear in N: doubling steps
+    # What follows: at 64 GPUs HSDP buys nothing (within 1%); at 1024 GPUs the 7B model's
+    # small blocks cannot hide FSDP's 1023-step rings, which HSDP keeps inside a node.
+    m = PRESETS["7B"]
+    f64, h64 = (step_time(m, 64, 1, 4096, shard=s)["mfu"] for s in (None, 8))
+    assert abs(h64 / f64 - 1) < 0.01
+    f1k, h1k = (step_time(m, 1024, 1, 4096, shard=s)["mfu"] for s in (None, 8))
+    assert h1k > 1.5 * f1k
 
 
 @pytest.mark.parametrize("reshard", [True, False])
@@ -298,7 +332,8 @@ def test_time_model_moves_the_bytes_of_comm_by_op(reshard):
             wire = {}
             for c in colls:
                 wire[c["op"]] = wire.get(c["op"], 0) + bus_factor(c["op"], c["n"]) * c["bytes"]
-            want = comm_by_op(m, "fsdp", n, mp=True, reshard_after_forward=reshard)
+            want = comm_by_op(m, "fsdp", n, mp=True, reshard_after_forward=reshard,
+                              reduce_bytes=4)
             assert wire == pytest.approx(want, rel=1e-12), (name, n)
 
 

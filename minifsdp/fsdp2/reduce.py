@@ -47,11 +47,23 @@ def foreach_reduce(group: FSDPParamGroup, params: list[FSDPParam],
     # seam "fsdp2.reduce_dtype" (lab 07) and seam "fsdp2.reduce_scatter_copy_in" (lab 05)
     flat = reduce_scatter_copy_in(group, params, grads, reduce_scatter_dtype(group, grads))
     grads.clear()  # the unsharded gradients die here
+    out = reduce_grads(group, flat)  # seam "fsdp2.reduce_grads" (lab 09)
+    if out is not None:  # None: kept for a later all-reduce (Note [HSDP accumulation])
+        to_sharded_grads(group, params, out)  # seam "fsdp2.grads_to_shards" (lab 07)
+
+
+@torch.no_grad()
+def reduce_grads(group: FSDPParamGroup, flat: torch.Tensor) -> torch.Tensor | None:
+    """The reduction itself: ``flat`` (the copy-in, ``(S * slot,)`` in the reduce dtype) in,
+    this rank's slot averaged over all R S ranks out -- or None while HSDP keeps a partial sum
+    (Note [HSDP accumulation]). Reduce-scatter within the shard group, then (HSDP) all-reduce
+    the slot across the replicate group, with torch's divide factors
+    (``gradient_divide_factors``; Note [HSDP] in hsdp.py). ``flat``'s storage is freed."""
     pre, post, op = gradient_divide_factors(group.world_size, flat.dtype,
                                             group.mesh_info.replicate_size)
     divide_if_needed(flat, pre)
     out = flat.new_empty(flat.numel() // group.world_size)
-    # the sharded grads view the output -- unless it is cast up below, then it is transient
+    # the sharded grads view the output -- unless it is cast up later, then it is transient
     tag(out, "grads" if out.dtype == group.dtypes.orig else "comm")
     comm.reduce_scatter_tensor(out, flat, op, group.process_group,
                                tag=f"fsdp2 grads {group.name}")
@@ -66,14 +78,14 @@ def foreach_reduce(group: FSDPParamGroup, params: list[FSDPParam],
                 group.partial_reduce_output = out
             else:
                 group.partial_reduce_output += out
-            return
+            return None
         if group.partial_reduce_output is not None:
             out += group.partial_reduce_output
             group.partial_reduce_output = None
         comm.all_reduce(out, op, group.replicate_group,
                         tag=f"fsdp2 grads-allreduce {group.name}")
     divide_if_needed(out, post)
-    to_sharded_grads(group, params, out)  # seam "fsdp2.grads_to_shards" (lab 07)
+    return out
 
 
 @torch.no_grad()

@@ -58,3 +58,174 @@ def check_min_gpus(fn) -> bool:
     cases = [((psi, g), min_gpus(psi, g)) for psi in (1e6, 5e9, 10e9, 7e9, 70e9, 405e9, 1e15)
              for g in (16e9, 80e9, 192e9)]
     return check("fewest GPUs", cases, fn)
+
+
+# ---- lab 09: HSDP's gradient reduction -----------------------------------------------------------
+
+import torch  # noqa: E402
+
+from minifsdp.labs.report import _generic_hint  # noqa: E402
+from minifsdp.labs.seams import Lab, Seam  # noqa: E402
+
+LAB_STEPS = 3
+REDUCE = "fsdp2.reduce_grads"
+# (name, param dtype, reduce dtype, micro-batches, all-reduce every micro-batch); the meshes
+# come from the world size: (2, 2) at N = 4, (2, 1) and (1, 2) at N = 2
+POLICIES = (
+    ("fp32", None, None, 1, True),
+    ("bf16 parameters, fp32 reduce, 2 micro-batches, set_requires_all_reduce(False) on the "
+     "first", torch.bfloat16, torch.float32, 2, False),
+    ("fp32 parameters, fp16 reduce (pre- and post-division)", None, torch.float16, 1, True),
+)
+
+
+def _meshes(n: int) -> list[tuple[int, int]]:
+    return [(2, 2)] if n == 4 else [(n, 1), (1, n)]
+
+
+def train_hsdp_vs_torch(t, info, shape: tuple[int, int], policy: tuple) -> None:
+    """``LAB_STEPS`` Adam steps of chapter 05's ``lab_net`` under HSDP on an (R, S) mesh, our
+    ``fully_shard`` against torch's with the same ``MixedPrecisionPolicy``, comparing per step:
+    the reduction's collectives (op, group size, dtype, numel, in issue order), each loss, the
+    gradients and the parameters (full tensors)."""
+    import torch.nn.functional as F
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy as TorchPolicy
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    from minifsdp import comm, fsdp2
+    from minifsdp.labs.ch05 import lab_net
+
+    _, param_dtype, reduce_dtype, micro, every = policy
+    r_deg, s_deg = shape
+    mesh = init_device_mesh(info.device.type, shape, mesh_dim_names=("replicate", "shard"))
+    models, opts = {}, {}
+    for impl, shard, cls in (("ours", fsdp2.fully_shard, fsdp2.MixedPrecisionPolicy),
+                             ("torch", torch_fully_shard, TorchPolicy)):
+        m = lab_net()
+        kw = {}
+        if param_dtype is not None or reduce_dtype is not None:
+            kw["mp_policy"] = cls(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+        for unit in (m.body, m.narrow, m):
+            shard(unit, mesh=mesh, **kw)
+        models[impl], opts[impl] = m, torch.optim.Adam(m.parameters(), lr=1e-2)
+    # the reduction's collectives as Note [HSDP] lays them out: per group, in the order the
+    # groups finish backward (the root, whose head's gradients come first, then narrow, then
+    # body), a reduce-scatter of S slots over the shard group, then -- where this backward
+    # all-reduces -- the slot over the R replicas
+    groups = [models["ours"], models["ours"].narrow, models["ours"].body]
+    slots = [sum(p.padded_shard_numel for p in g.fsdp_state.group.fsdp_params) for g in groups]
+    dt = str(reduce_dtype or param_dtype or torch.float32).removeprefix("torch.")
+    n, r = info.world_size, info.rank
+    for step in range(LAB_STEPS):
+        for k in range(micro):
+            last = k == micro - 1
+            reduce_all = every or last
+            for impl in ("ours", "torch"):
+                models[impl].set_requires_all_reduce(reduce_all)
+            g = torch.Generator().manual_seed(100 + micro * step + k)
+            x, y = torch.randn(n * 4, 8, generator=g), torch.randint(0, 3, (n * 4,), generator=g)
+            x, y = x.chunk(n)[r], y.chunk(n)[r]
+            loss = F.cross_entropy(models["ours"](x), y)
+            with comm.logging_comm() as log:
+                loss.backward()
+            got = [(c.op, c.group_size, c.dtype, int(torch.Size(c.shape).numel()))
+                   for c in log.comms() if c.op in ("reduce_scatter", "all_reduce")]
+            want = []
+            for slot in slots:
+                want.append(("reduce_scatter", s_deg, dt, s_deg * slot))
+                if reduce_all:
+                    want.append(("all_reduce", r_deg, dt, slot))
+            t.expect("the reduction's collectives in backward (op, group size, dtype, numel)"
+                     + ("" if reduce_all else ", without the all-reduce"), got, want,
+                     step=step, phase="backward")
+            theirs = F.cross_entropy(models["torch"](x), y)
+            theirs.backward()
+            t.expect("loss" if micro == 1 else f"loss of micro-batch {k}", loss.detach(),
+                     theirs.detach(), step=step, phase="forward")
+        ours, theirs = (dict(models[k].named_parameters()) for k in ("ours", "torch"))
+        for name, p in theirs.items():
+            mine = ours[name].grad
+            t.expect(f"{name}.grad", None if mine is None else mine.full_tensor(),
+                     p.grad.full_tensor(), step=step, phase="backward")
+        for impl in ("ours", "torch"):
+            opts[impl].step()
+            opts[impl].zero_grad()
+        for name, p in theirs.items():
+            t.expect(name, ours[name].detach().full_tensor(), p.detach().full_tensor(),
+                     step=step, phase="optimizer step")
+
+
+def run_lab(t, info) -> None:
+    """Lab 09's cases, on every rank: for each mesh of the job ((2, 2) at N = 4; (2, 1) and
+    (1, 2) at N = 2) and each policy in ``POLICIES``, three Adam steps against torch's
+    ``fully_shard`` on the same 2-D mesh."""
+    from minifsdp.labs.ch05 import _all_ranks_matched
+
+    for shape in _meshes(info.world_size):
+        for policy in POLICIES:
+            with t.case(f"HSDP on a {shape[0]} x {shape[1]} mesh, {policy[0]}: 3 Adam steps "
+                        "against torch's fully_shard", (REDUCE,)):
+                train_hsdp_vs_torch(t, info, shape, policy)
+            if not _all_ranks_matched(t):
+                return
+
+
+def hint(name: str, got, expected, n: int) -> str | None:
+    if name.startswith("the reduction's collectives"):
+        if isinstance(got, list) and isinstance(expected, list):
+            ops = [c[0] for c in got]
+            if "all_reduce" not in ops and "all_reduce" in [c[0] for c in expected]:
+                return ("no all-reduce across the replicate group: each replica keeps the "
+                        "average of its own shard group only (Note [HSDP])")
+            if ops and ops[0] == "all_reduce":
+                return ("the all-reduce came first: reduce-scatter within the shard group "
+                        "first, so that only your 1/S slot crosses the slow links (Note [HSDP])")
+            if any(c[2] != e[2] for c, e in zip(got, expected)):
+                return ("a collective ran in another dtype than the reduce dtype: average in "
+                        "the dtype of `flat` (Note [mixed precision], Note [HSDP])")
+            if "without the all-reduce" in name:
+                return ("set_requires_all_reduce(False): reduce-scatter, keep the sum in "
+                        "group.partial_reduce_output, return None (Note [HSDP accumulation])")
+        return "op, group size, dtype and numel per collective: Note [HSDP]"
+    if not isinstance(got, torch.Tensor) or not isinstance(expected, torch.Tensor):
+        return None
+    if name.endswith(".grad") or name == "loss" or name.startswith("loss of"):
+        return _generic_hint(got, expected, n) or (
+            "the average must run over all R x S ranks, with torch's divide factors: AVG in "
+            "both collectives for fp32 / bf16, SUM between a pre- and a post-division "
+            "otherwise (Note [HSDP], gradient_divide_factors in fsdp2/mixed_precision.py)")
+    return None
+
+
+LAB = Lab(
+    id="09",
+    title="HSDP: the 2-D gradient reduction",
+    skeleton="labs/lab09_hsdp.py",
+    seams=(Seam(REDUCE, "minifsdp.fsdp2.reduce", "reduce_grads", "reduce_grads"),),
+    notes=("HSDP", "HSDP accumulation", "mixed precision"),
+    run=run_lab,
+    hint=hint,
+    world_sizes=(4, 2),
+    oracle="torch's fully_shard on a 2-D DeviceMesh",
+    hints=(
+        "HSDP averages a gradient over R x S ranks in two hops: within the shard group (the "
+        "ranks that hold different rows of the same parameters), then across the replicate "
+        "group (the ranks that hold the same rows). Only the second hop crosses nodes, so it "
+        "must carry as few bytes as possible. Read Note [HSDP] and Note [HSDP accumulation] "
+        "(fsdp2/hsdp.py), and Note [mixed precision] for how torch divides.",
+        "Given flat, (S * slot,) in the reduce dtype: the shard group is group.process_group "
+        "(S = group.world_size ranks), the replicate group group.replicate_group (R = "
+        "group.mesh_info.replicate_size; None on a 1-D mesh). torch's factors for N = R S "
+        "ranks: fp32 and bf16 let the backend average (ReduceOp.AVG, in both collectives, "
+        "nothing else divides); other dtypes divide by pre before and post after, with SUM. "
+        "Invariants: the result is (slot,), flat's dtype, summed in the order torch sums; "
+        "with group.all_reduce_grads False nothing crosses the replicate group.",
+        "pre, post, op = torch's factors for (S, flat.dtype, R); flat /= pre; out = empty "
+        "slot; reduce-scatter flat -> out over the shard group with op; free flat's storage; "
+        "if there is a replicate group: if not all_reduce_grads: add out into "
+        "partial_reduce_output (or keep it) and return None; else add a kept partial into "
+        "out, clear it, all-reduce out over the replicate group with op; out /= post; "
+        "return out.",
+    ),
+)

@@ -1,0 +1,38 @@
+"""Lab 09: HSDP's gradient reduction on a 2-D mesh. Read Note [HSDP], Note [HSDP accumulation].
+
+Seam "fsdp2.reduce_grads" (minifsdp.fsdp2.reduce.reduce_grads, called by foreach_reduce).
+Check: python -m minifsdp.labs 09   (start: --start)   Hints: --hint (1, 2, 3)
+Bar: bit for bit with torch's fully_shard on a 2-D DeviceMesh ("replicate", "shard"): a 2 x 2 mesh
+at N = 4, then 2 x 1 and 1 x 2 at N = 2; fp32, bf16 parameters with an fp32 reduce (two
+micro-batches, the first under set_requires_all_reduce(False)), an fp16 reduce; 3 Adam steps:
+the reduction's collectives (op, group size, dtype, numel, order), losses, gradients, parameters.
+Also read Note [mixed precision] (torch's divide factors).
+"""
+
+import torch
+
+from minifsdp import comm  # noqa: F401  comm.reduce_scatter_tensor / comm.all_reduce (logged)
+from minifsdp.memory import tag  # noqa: F401  tag(t, "grads" / "comm"): the memory tracker's books
+
+
+@torch.no_grad()
+def reduce_grads(group, flat):
+    """One group's gradients, reduced: returns this rank's slot averaged over all R x S ranks,
+    or None while HSDP only accumulates.
+
+    Given: ``flat``, 1-D, ``S * slot`` elements in the reduce dtype, laid out by the copy-in
+    (slot r = rank r's rows of every gradient; Note [copy-in and copy-out]); ``group``:
+    ``process_group`` (the shard group, ``world_size`` S ranks), ``replicate_group`` (R =
+    ``mesh_info.replicate_size`` ranks holding the same rows; None on a 1-D mesh),
+    ``all_reduce_grads`` (False under ``set_requires_all_reduce(False)``),
+    ``partial_reduce_output`` (None, or what an earlier backward kept), ``name``.
+    Returns: a new ``(slot,)`` tensor in ``flat``'s dtype (tag it "grads"), this rank's slot
+    averaged over the R S ranks exactly as torch averages (the same collectives on the same
+    groups in the same order, the same divisions); or None after keeping the shard-group sum
+    in ``group.partial_reduce_output`` when ``all_reduce_grads`` is False (HSDP only), to be
+    added in before the next all-reduce. Only the slot crosses the replicate group. ``flat``'s
+    storage is freed (``flat.untyped_storage().resize_(0)``) once the reduce-scatter returns.
+    Notes [HSDP], [HSDP accumulation], [mixed precision].
+    """
+    # TODO(lab 09): the contract above; `python -m minifsdp.labs 09 --hint` when stuck.
+    raise NotImplementedError("lab 09: reduce_grads in labs/lab09_hsdp.py")

@@ -1,0 +1,163 @@
+"""Lab 09's planted bugs: HSDP reductions a learner plausibly writes (Note [HSDP], Note [HSDP
+accumulation], Note [mixed precision]).
+
+Each function replaces the seam (``@replaces``); tests/test_lab_bugs.py checks that the checker
+rejects it and points where the bug shows first. All run at N = 2 (meshes 2 x 1 and 1 x 2),
+where every one of them already shows: the cheap job.
+"""
+
+import torch
+
+from minifsdp import comm
+from minifsdp.fsdp2.mixed_precision import divide_if_needed, gradient_divide_factors
+from minifsdp.labs.seams import replaces
+from minifsdp.memory import tag
+
+
+def _factors(group, flat):
+    return gradient_divide_factors(group.world_size, flat.dtype, group.mesh_info.replicate_size)
+
+
+def _scatter(group, flat, op):
+    out = flat.new_empty(flat.numel() // group.world_size)
+    tag(out, "grads")
+    comm.reduce_scatter_tensor(out, flat, op, group.process_group)
+    flat.untyped_storage().resize_(0)
+    return out
+
+
+def _keep(group, out):
+    """Note [HSDP accumulation], done right (the bugs below differ elsewhere)."""
+    if group.partial_reduce_output is None:
+        group.partial_reduce_output = out
+    else:
+        group.partial_reduce_output += out
+
+
+@replaces("fsdp2.reduce_grads")
+@torch.no_grad()
+def all_reduces_first(group, flat):
+    """All-reduces the whole ``flat`` across the replicas, then reduce-scatters within the shard
+    group: the same average in exact arithmetic, but S times the bytes cross the slow links --
+    the cost HSDP exists to avoid (Note [HSDP])."""
+    pre, post, op = _factors(group, flat)
+    divide_if_needed(flat, pre)
+    if group.replicate_group is not None and group.all_reduce_grads:
+        comm.all_reduce(flat, op, group.replicate_group)
+    out = _scatter(group, flat, op)
+    if group.replicate_group is not None and not group.all_reduce_grads:
+        _keep(group, out)
+        return None
+    divide_if_needed(out, post)
+    return out
+
+
+@replaces("fsdp2.reduce_grads")
+@torch.no_grad()
+def divides_twice(group, flat):
+    """Lets both collectives average (AVG) and then divides by R once more, as if the
+    all-reduce only summed: the gradients come out R times too small (Note [HSDP]: AVG then
+    AVG is already the average over R S ranks)."""
+    pre, post, op = _factors(group, flat)
+    divide_if_needed(flat, pre)
+    out = _scatter(group, flat, op)
+    if group.replicate_group is not None:
+        if not group.all_reduce_grads:
+            _keep(group, out)
+            return None
+        if group.partial_reduce_output is not None:
+            out += group.partial_reduce_output
+            group.partial_reduce_output = None
+        comm.all_reduce(out, op, group.replicate_group)
+        out /= group.mesh_info.replicate_size
+    divide_if_needed(out, post)
+    return out
+
+
+@replaces("fsdp2.reduce_grads")
+@torch.no_grad()
+def forgets_the_all_reduce(group, flat):
+    """Reduce-scatters within the shard group and stops: each replica keeps the average of its
+    own node only, and the replicas drift apart (Note [HSDP])."""
+    pre, post, op = _factors(group, flat)
+    divide_if_needed(flat, pre)
+    out = _scatter(group, flat, op)
+    divide_if_needed(out, post)
+    return out
+
+
+@replaces("fsdp2.reduce_grads")
+@torch.no_grad()
+def all_reduces_in_bf16(group, flat):
+    """Casts the slot to bf16 for the inter-node all-reduce to halve its bytes, and back: the
+    policy's fp32 reduce dtype is silently dropped on the slow links (Note [mixed precision]:
+    the reduce dtype is the dtype of every reduction)."""
+    pre, post, op = _factors(group, flat)
+    divide_if_needed(flat, pre)
+    out = _scatter(group, flat, op)
+    if group.replicate_group is not None:
+        if not group.all_reduce_grads:
+            _keep(group, out)
+            return None
+        if group.partial_reduce_output is not None:
+            out += group.partial_reduce_output
+            group.partial_reduce_output = None
+        low = out.to(torch.bfloat16)
+        comm.all_reduce(low, op, group.replicate_group)
+        out.copy_(low)
+    divide_if_needed(out, post)
+    return out
+
+
+@replaces("fsdp2.reduce_grads")
+@torch.no_grad()
+def ignores_set_requires_all_reduce(group, flat):
+    """Always all-reduces: right values, but the slow links carry one all-reduce per
+    micro-batch instead of one per step (Note [HSDP accumulation])."""
+    pre, post, op = _factors(group, flat)
+    divide_if_needed(flat, pre)
+    out = _scatter(group, flat, op)
+    if group.replicate_group is not None:
+        comm.all_reduce(out, op, group.replicate_group)
+    divide_if_needed(out, post)
+    return out
+
+
+@replaces("fsdp2.reduce_grads")
+@torch.no_grad()
+def scatters_over_the_replicate_dim(group, flat):
+    """Swaps the mesh dims: reduce-scatters over the replicate group and all-reduces over the
+    shard group, as if dim 0 sharded (Note [HSDP]: dim 0 replicates, dim 1 shards)."""
+    pre, post, op = _factors(group, flat)
+    divide_if_needed(flat, pre)
+    out = flat.new_empty(flat.numel() // group.world_size)
+    comm.reduce_scatter_tensor(out, flat, op, group.replicate_group)
+    comm.all_reduce(out, op, group.process_group)
+    divide_if_needed(out, post)
+    return out
+
+
+CASE_FP32 = "HSDP on a 2 x 1 mesh, fp32: 3 Adam steps against torch's fully_shard"
+COLLECTIVES = "the reduction's collectives in backward (op, group size, dtype, numel)"
+EXPECTED = {
+    "all_reduces_first": dict(status="diverged", world_sizes=(2,), case=CASE_FP32,
+                              name=COLLECTIVES, step=0, phase="backward",
+                              hint="the all-reduce came first"),
+    "divides_twice": dict(status="diverged", world_sizes=(2,), case=CASE_FP32,
+                          name="scale.grad", step=0, phase="backward",
+                          hint="divided by the world size once too often"),
+    "forgets_the_all_reduce": dict(status="diverged", world_sizes=(2,), case=CASE_FP32,
+                                   name=COLLECTIVES, step=0, phase="backward",
+                                   hint="no all-reduce across the replicate group"),
+    "all_reduces_in_bf16": dict(status="diverged", world_sizes=(2,), case=CASE_FP32,
+                                name=COLLECTIVES, step=0, phase="backward",
+                                hint="another dtype than the reduce dtype"),
+    "ignores_set_requires_all_reduce": dict(
+        status="diverged", world_sizes=(2,), step=0, phase="backward",
+        case="HSDP on a 2 x 1 mesh, bf16 parameters, fp32 reduce, 2 micro-batches, "
+             "set_requires_all_reduce(False) on the first: 3 Adam steps against torch's "
+             "fully_shard",
+        name=COLLECTIVES + ", without the all-reduce", hint="Note [HSDP accumulation]"),
+    "scatters_over_the_replicate_dim": dict(status="crash", world_sizes=(2,),
+                                            where="lab_bugs/lab09.py:134"),
+}
