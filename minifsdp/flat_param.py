@@ -220,7 +220,7 @@ class FlatParamHandle:
         self.device = torch.device(device) if device is not None else unique[0].device
         self.rank, self.world_size, self.sharded = rank, world_size, sharded
         self.offload, self.process_group, self.label = offload, process_group, label
-        # Note [mixed precision] in minifsdp.fsdp1_options: the shard keeps ``dtype``; the
+        # Note [FSDP1 mixed precision] in minifsdp.fsdp1_options: the shard keeps ``dtype``; the
         # unsharded flat tensor (what forward and backward use) is in ``compute_dtype``
         self.compute_dtype = param_dtype if param_dtype is not None else dtype
         self.mixed = self.compute_dtype != dtype
@@ -314,7 +314,7 @@ class FlatParamHandle:
         if self.offload:  # Note [CPU offload] in minifsdp.fsdp1
             shard = shard.to(self.device, copy=True)
             tag(shard, "comm")
-        if shard.dtype != out.dtype:  # Note [mixed precision]: cast the shard, gather 1/2
+        if shard.dtype != out.dtype:  # Note [FSDP1 mixed precision]: cast the shard, gather 1/2
             shard = shard.to(out.dtype)
             tag(shard, "comm")
         comm.all_gather_into_tensor(out, shard, self.process_group, tag=tag_)

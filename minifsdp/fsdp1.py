@@ -83,9 +83,9 @@ torch's with ``use_orig_params=False`` but without the wrapper's prefix: ``flat_
 in ``full_state_dict`` and in the root's ``state_dict()`` (a collective: every rank calls it),
 which is torch FSDP1's default full state dict.
 
-Note [tied parameters across units] (in ``minifsdp.wrap``): with ``auto_wrap_policy``, a tied
-parameter goes to the deepest unit enclosing all its users. Wrapping units by hand, a parameter
-already flattened by another unit is an error.
+Tied parameters (Note [tied parameters across units] in ``minifsdp.wrap``): with
+``auto_wrap_policy``, a tied parameter goes to the deepest unit enclosing all its users.
+Wrapping units by hand, a parameter already flattened by another unit is an error.
 """
 
 from __future__ import annotations
@@ -243,7 +243,7 @@ class FullyShardedDataParallel(nn.Module):
             self._pre_fwd_order: list[FullyShardedDataParallel] = []
             self._post_fwd_order: list[FullyShardedDataParallel] = []
             self._iteration = 0  # backwards finished: forward prefetch starts at 1
-            self._sync_gradients = True  # Note [no_sync]
+            self._sync_gradients = True  # Note [FSDP1 no_sync]
             self._buffer_dtypes: dict[str, torch.dtype] | None = None  # cast at first forward
             self._units = [m for m in self.modules() if isinstance(m, FullyShardedDataParallel)]
             for name, unit in self.named_modules():
@@ -299,7 +299,7 @@ class FullyShardedDataParallel(nn.Module):
         return out
 
     def _root_pre_forward(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        """(root) Note [mixed precision]: cast the buffers once and the floating inputs to
+        """(root) Note [FSDP1 mixed precision]: cast the buffers once and the floating inputs to
         ``param_dtype``; Note [forward prefetch]: every unit is yet to be gathered."""
         mp = self._mp
         if self._buffer_dtypes is None:
@@ -345,15 +345,15 @@ class FullyShardedDataParallel(nn.Module):
         """Note [post-backward hook]: ``unsharded.grad`` (padded_numel,) is final."""
         root = self._root
         if root._sync_gradients or self._strategy is ShardingStrategy.FULL_SHARD:
-            self._handle.reshard()  # nothing needs the parameters any more (Note [no_sync])
+            self._handle.reshard()  # nothing needs the parameters any more (Note [FSDP1 no_sync])
         if root._backward_prefetch is BackwardPrefetch.BACKWARD_POST:
             self._prefetch_backward()
-        if not root._sync_gradients:  # Note [no_sync]: autograd adds the next one into it
+        if not root._sync_gradients:  # Note [FSDP1 no_sync]: autograd adds the next one into it
             tag(unsharded.grad, "grads")
             return
         grad, unsharded.grad = unsharded.grad, None
         tag(grad, "grads")
-        if grad.dtype != self._reduce_dtype:  # Note [mixed precision]
+        if grad.dtype != self._reduce_dtype:  # Note [FSDP1 mixed precision]
             grad = grad.to(self._reduce_dtype)
             tag(grad, "grads")
         root._reduce(self, grad)
@@ -386,7 +386,7 @@ class FullyShardedDataParallel(nn.Module):
         if after > 1:
             out.div_(after)
         flat = unit._handle.flat_param
-        if out.dtype != flat.dtype:  # Note [mixed precision]: reduced, then full precision
+        if out.dtype != flat.dtype:  # Note [FSDP1 mixed precision]: reduced, then full precision
             out = out.to(flat.dtype)
             tag(out, "grads")
         if unit._offload:  # Note [CPU offload]
@@ -404,7 +404,7 @@ class FullyShardedDataParallel(nn.Module):
         try:
             with comm.span(FINAL_SPAN):
                 self._finish_pending()
-                keep = not self._sync_gradients  # Note [no_sync]: SHARD_GRAD_OP keeps them
+                keep = not self._sync_gradients  # Note [FSDP1 no_sync]: SHARD_GRAD_OP keeps them
                 for unit in self._units:
                     if unit._handle is not None and not (
                             keep and unit._strategy is ShardingStrategy.SHARD_GRAD_OP):
@@ -421,7 +421,7 @@ class FullyShardedDataParallel(nn.Module):
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         """Backwards inside accumulate unsharded gradients and communicate nothing; the first
-        backward after the block reduce-scatters the sum (Note [no_sync]). On the root.
+        backward after the block reduce-scatters the sum (Note [FSDP1 no_sync]). On the root.
 
         Example::
 
@@ -546,7 +546,7 @@ def summon_full_params(model: nn.Module, writeback: bool = True) -> Iterator[nn.
     was_unsharded = [u._handle.is_unsharded for u in units]
     with torch.no_grad():
         for u in units:
-            u._handle.unshard_full_precision(f"{u._name} summon")  # Note [mixed precision]
+            u._handle.unshard_full_precision(f"{u._name} summon")  # Note [FSDP1 mixed precision]
             u._handle.use_unsharded_views(as_params=True)
             del u._parameters["flat_param"]
     try:

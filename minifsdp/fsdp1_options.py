@@ -9,7 +9,7 @@
 Each is a value object; what it does lives in ``minifsdp.fsdp1`` and ``minifsdp.flat_param``,
 which cite the Notes below.
 
-Note [mixed precision]: the FlatParameter shard, the optimizer's copy, stays in full precision
+Note [FSDP1 mixed precision]: the FlatParameter shard, the optimizer's copy, stays in full precision
 (fp32): low precision is only for the trip to compute and back. To unshard, the shard is *cast*
 to ``param_dtype`` and the low-precision shards are all-gathered (half the wire bytes and half
 the unsharded memory of fp32 for bf16); forward and backward run on bf16 views, so the unsharded
@@ -47,8 +47,8 @@ the unit's views (as torch does), so autograd numbers their backward nodes befor
 computation of unit k: in backward, unit k's pre-backward all-gather then comes *before* unit
 k + 1's reduce-scatter (autograd runs the later-created of two ready nodes first), as in torch.
 
-Note [no_sync]: inside ``with model.no_sync():`` a backward keeps each unit's unsharded gradient
-(autograd adds the next micro-batch's into it) and communicates nothing; the first backward
+Note [FSDP1 no_sync]: inside ``with model.no_sync():`` a backward keeps each unit's unsharded
+gradient (autograd adds the next micro-batch's into it) and communicates nothing; the first backward
 outside reduce-scatters the sum once. Price: every unit's unsharded gradient, the whole model's
 in fp32 (4 Psi bytes, not 4 Psi / N) lives from the first micro-batch to the last; under
 SHARD_GRAD_OP the unsharded parameters stay too (torch keeps them as a speed-for-memory trade).
@@ -131,7 +131,7 @@ class CPUOffload:
 
 @dataclass(frozen=True)
 class MixedPrecision:
-    """Dtypes of the trip to compute and back (Note [mixed precision]); None keeps the
+    """Dtypes of the trip to compute and back (Note [FSDP1 mixed precision]); None keeps the
     parameters' own dtype (``reduce_dtype=None`` with a ``param_dtype``: reduce in it).
 
     Example:

@@ -37,7 +37,7 @@ its input is its own output's slice r) -- no copy of the weights, no copying bac
 also pads each parameter to a 16-byte boundary for kernels that want aligned pointers; we
 pack them tightly, and the parity tests include parameters at odd offsets.)
 
-Note [buckets]: stage 2 frees a full gradient as soon as it has been reduce-scattered, so it
+Note [ZeRO buckets]: stage 2 frees a full gradient as soon as it has been reduce-scattered, so it
 must reduce-scatter *during* backward, a bucket at a time, not the whole flat gradient at the
 end. A reduce-scatter splits its own input N ways, hence the partition is per bucket: each
 bucket is a flat buffer of consecutive parameters (Note [flat partition]) and rank r owns
@@ -178,7 +178,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             rank's shards: one 1-D parameter of shape ``(shard_numel,)`` per bucket, a view
             of the bucket's flat buffer (Note [elementwise optimizers]).
         stage: 1 shards the optimizer state, 2 also the gradients.
-        bucket_cap_mb: bucket size in MiB (Note [buckets]).
+        bucket_cap_mb: bucket size in MiB (Note [ZeRO buckets]).
         group: the data-parallel process group (default: the world).
 
     ``state`` and ``param_groups`` *are* the inner optimizer's, so LR schedulers and

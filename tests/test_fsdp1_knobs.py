@@ -14,17 +14,17 @@ Launches (the module fixture ``launched`` starts them, ``PARALLEL`` at a time):
   mixed precision, backward_pre and forward prefetch; fsdp2 next to torch_fsdp2).
 
 Exactness. Everything equals torch bit for bit at both N, mixed precision included: we cast,
-gather, divide, reduce and cast back in torch's order (Note [mixed precision]). Compared are the
-parameters' elements; torch fills its alignment padding with 42s, ours holds zeros, and neither
-is read. Against one process (clipping only), the 2-norm differs by the order of the sums: each
-rank adds its shard's squares, then the ranks' sums are added; one process adds per-parameter
-norms. Measured: 1 ulp (relative 7e-8); we require 1e-6 relative. The inf-norm is a max, exact
-in any order -- of the same gradients. At N = 2 they are the same by construction (a sum of two
-shards' gradients is one addition, the same in either order), so the first step's inf-norm is
-equal bit for bit. At N = 3 the one process adds its three shards' gradients in another order
-than gloo's reduce-scatter, so each element may differ by a few ulps: measured 1 ulp (relative
-6.7e-8, an AMD EPYC) where earlier CPUs gave 0; the 1e-6 relative bound (16 ulps) holds it.
-"""
+gather, divide, reduce and cast back in torch's order (Note [FSDP1 mixed precision]). Compared
+are the parameters' elements; torch fills its alignment padding with 42s, ours holds zeros, and
+neither is read. Against one process (clipping only), the 2-norm differs by the order of the
+sums: each rank adds its shard's squares, then the ranks' sums are added; one process adds per-
+parameter norms. Measured: 1 ulp (relative 7e-8); we require 1e-6 relative. The inf-norm is a
+max, exact in any order -- of the same gradients. At N = 2 they are the same by construction (a
+sum of two shards' gradients is one addition, the same in either order), so the first step's
+inf-norm is equal bit for bit. At N = 3 the one process adds its three shards' gradients in
+another order than gloo's reduce-scatter, so each element may differ by a few ulps: measured 1
+ulp (relative 6.7e-8, an AMD EPYC) where earlier CPUs gave 0; the 1e-6 relative bound (16 ulps)
+holds it. """
 
 import math
 from pathlib import Path

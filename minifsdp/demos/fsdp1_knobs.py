@@ -200,7 +200,7 @@ def run(impl: str, knobs: dict, info, events: Events) -> dict:
                 with model.no_sync() if not sync else contextlib.nullcontext():
                     loss = loss_fn(model(xs), xs) / micro
                     loss.backward()
-                if i == 0 and micro > 1 and tracker is not None:  # Note [no_sync]: its price
+                if i == 0 and micro > 1 and tracker is not None:  # Note [FSDP1 no_sync]: its price
                     out["grads_after_first"] = tracker.current()["grads"]
             if knobs.get("clip"):
                 out["norm"] = float(model.clip_grad_norm_(MAX_NORM))

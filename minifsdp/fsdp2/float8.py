@@ -99,7 +99,7 @@ def dequantize(data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> t
 def quantize_dequantize(weight: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
     """What forward computes with, from a *full* weight in one process: the scale from the
     whole tensor's amax, then ``dequantize(quantize(...))``. The single-process simulation of
-    Note [FP8 all-gather]: FSDP's unsharded weight equals this bit for bit (the MAX of the
+    the Note [FP8 all-gather]: FSDP's unsharded weight equals this bit for bit (the MAX of the
     shards' amaxes is the whole tensor's, and both steps are elementwise)."""
     weight = weight.detach()
     scale = amax_to_scale(weight.abs().amax())

@@ -35,7 +35,7 @@ gradient_divide_factors``). The sum is associated differently from 1-D FSDP's (t
 so HSDP is bitwise equal to torch's HSDP, not to 1-D FSDP or one process (rounding apart).
 
 The trade, per rank, for a group of Psi parameters in fp32 (4 Psi bytes), wire bytes as in
-Note [bytes vs wire bytes] (``minifsdp/comm.py``)::
+the Note [bytes vs wire bytes] of ``minifsdp/comm.py``::
 
                          FSDP over N                       HSDP (R x S)
     model state          16 Psi / N (params, grads, Adam)  16 Psi / S       -- R times more
