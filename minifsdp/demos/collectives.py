@@ -85,13 +85,13 @@ def collectives_demo(rank: int, n: int) -> dict:
             "ring_sent": ring_sent}
 
 
-def rs_memory_demo(rank: int, n: int) -> dict:
+def rs_memory_demo(rank: int, n: int, device: torch.device) -> dict:
     """Bytes of storage beyond the collective's own input and output that a ``MemoryTracker``
     sees at the peak while each collective runs (2**18 fp32 per rank and chunk, 1 MiB)."""
     k = 2**18
     out = {}
     for op in ("reduce_scatter", "all_gather", "all_reduce"):
-        big = torch.ones(n * k, device=_device())
+        big = torch.ones(n * k, device=device)
         small = torch.empty(k, device=big.device) if op == "reduce_scatter" else \
             torch.ones(k, device=big.device)
         with MemoryTracker(device=big.device) as mt:
@@ -108,11 +108,6 @@ def rs_memory_demo(rank: int, n: int) -> dict:
                    "input_bytes": 4 * (k if op == "all_gather" else n * k),
                    "by_category": mt.peak_by_category}
     return {"rs_memory": out}
-
-
-def _device() -> torch.device:
-    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" \
-        else torch.device("cpu")
 
 
 def _median_time(all_reduce_fn, x: torch.Tensor, reps: int) -> float:
@@ -164,7 +159,7 @@ def main() -> None:
     if args.demo == "collectives":
         results = collectives_demo(info.rank, info.world_size)
     elif args.demo == "rs_memory":
-        results = rs_memory_demo(info.rank, info.world_size)
+        results = rs_memory_demo(info.rank, info.world_size, info.device)
     else:
         results = ring_demo(info.rank, info.world_size, args.sizes, args.reps)
     finish({"rank": info.rank, "world_size": info.world_size, **results})
