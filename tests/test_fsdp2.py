@@ -554,6 +554,11 @@ def test_class_swap_and_errors(mesh):
     assert type(model[1:]) is nn.Sequential  # containers build the original class
     with pytest.raises(ValueError, match="already applied"):
         fully_shard(model, mesh=mesh)
+    for not_a_bool in (2, 1, None):  # torch 2.14 refuses these too (an int k: fully_shard only)
+        with pytest.raises(ValueError, match="should be a bool"):
+            model.set_reshard_after_forward(not_a_bool)
+    model.set_reshard_after_forward(False)
+    assert not model[0]._groups(True)[0].reshard_after_forward
     with pytest.raises(ValueError, match="0-d parameter"):
         scalar = nn.Module()
         scalar.p = nn.Parameter(torch.tensor(1.0))

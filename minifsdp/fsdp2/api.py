@@ -144,10 +144,16 @@ class FSDPModule:
         for group in self._groups(recurse):
             group.reshard_after_backward = reshard_after_backward
 
-    def set_reshard_after_forward(self, reshard_after_forward: bool | int, *,
+    def set_reshard_after_forward(self, reshard_after_forward: bool, *,
                                   recurse: bool = True) -> None:
-        """Change ``fully_shard``'s ``reshard_after_forward`` (the root's too); an int k makes
-        new process groups, so call it on every rank (Note [reshard to k ranks])."""
+        """Change ``fully_shard``'s ``reshard_after_forward`` at run time (the root's too), e.g.
+        ``False`` for evaluation and back to ``True`` for training. A bool only, as torch 2.14's
+        ``FSDPModule.set_reshard_after_forward``: the int form k (Note [reshard to k ranks])
+        builds process groups, so it is ``fully_shard``'s argument alone."""
+        if not isinstance(reshard_after_forward, bool):
+            raise ValueError("set_reshard_after_forward: reshard_after_forward should be a bool, "
+                             f"got {type(reshard_after_forward).__name__} "
+                             f"{reshard_after_forward!r}; pass an int k to fully_shard instead")
         for group in self._groups(recurse):
             group.set_reshard_after_forward(reshard_after_forward)
 
