@@ -10,6 +10,7 @@ of the published Llama models, say what DDP, ZeRO-1/2 and FSDP cost on 8-1024 GP
 
 and, with ``exact=True``, the very same functions reproduce what ``minifsdp.train`` measures
 at N = 2 for our GPT, padding and Adam's step counters included (``tests/test_scale.py``).
+Seconds per step are ``minifsdp.scale_time``'s: it prices these bytes on NVLink and the network.
 
 Note [Llama shapes]: layers / d_model / heads / kv-heads / FFN hidden / vocab, from the papers
 and the released ``config.json`` files: Llama-2-7B 32 / 4096 / 32 / 32 / 11008 / 32000
@@ -65,7 +66,6 @@ from minifsdp.models import GPTConfig
 
 Shape = tuple[int, ...]
 STRATEGIES = ("ddp", "zero1", "zero2", "fsdp", "fsdp1")  # "fsdp" = FSDP2 (fully_shard)
-BUS_BW = 50e9  # B/s per GPU (nccl-tests' busbw): one 400 Gb/s NIC per GPU, across nodes
 ZERO_BUCKET_BYTES = 25 * 2**20  # minifsdp.zero's default bucket_cap_mb
 
 
@@ -309,39 +309,6 @@ def comm_bytes_per_gpu(model: Transformer, strategy: str, n_gpus: int, mp: bool 
                           reduce_bytes).values())
 
 
-def comm_time_per_step(model: Transformer, strategy: str, n_gpus: int, mp: bool = False,
-                       bus_bw: float = BUS_BW) -> float:
-    """Seconds of communication per step at ``bus_bw`` bytes/s, if nothing overlaps it: the
-    wire bytes divided by nccl-tests' bus bandwidth (which is defined so that this holds)."""
-    return comm_bytes_per_gpu(model, strategy, n_gpus, mp) / bus_bw
-
-
-def compute_time_per_step(model: Transformer, micro_batch: int, seq_len: int,
-                          activation_checkpointing: bool = False, flops: float = 989e12,
-                          mfu: float = 0.4) -> float:
-    """Seconds of compute per step per GPU: 6 Psi flops a token (8 with recomputation;
-    attention's s^2 flops ignored), at ``mfu`` of ``flops`` (H100 SXM dense bf16)."""
-    per_token = (8 if activation_checkpointing else 6) * model.num_params()
-    return per_token * micro_batch * seq_len / (flops * mfu)
-
-
-def table(presets: dict[str, Transformer] | None = None, n_gpus=(8, 64, 1024),
-          micro_batch: int = 1, seq_len: int = 4096, activation_checkpointing: bool = True,
-          mp: bool = True) -> list[dict]:
-    """One row per (model, N, strategy): GB per GPU, GB sent per GPU per step, seconds."""
-    rows = []
-    for name, m in (presets or PRESETS).items():
-        for n in n_gpus:
-            for s in ("ddp", "zero1", "zero2", "fsdp"):
-                mem = memory_per_gpu(m, s, n, micro_batch, seq_len, activation_checkpointing, mp)
-                rows.append({"model": name, "gpus": n, "strategy": s,
-                             "memory_gb": mem["total"] / 1e9,
-                             "comm_gb": comm_bytes_per_gpu(m, s, n, mp) / 1e9,
-                             "comm_s": comm_time_per_step(m, s, n, mp),
-                             "fits_80gb": mem["total"] <= 80e9})
-    return rows
-
-
 def measured(rank_json: dict, step: int = 0) -> dict[str, float]:
     """What a ``minifsdp.train`` rank JSON says, in ``comm_by_op`` / ``model_states`` terms:
     wire bytes per step by op (comm log over ``steps``), and ``params``, ``optimizer`` at the
@@ -358,5 +325,5 @@ def measured(rank_json: dict, step: int = 0) -> dict[str, float]:
 
 
 __all__ = ["PRESETS", "STRATEGIES", "Transformer", "activation_bytes", "comm_by_op",
-           "comm_bytes_per_gpu", "comm_time_per_step", "compute_time_per_step", "fits",
-           "measured", "memory_per_gpu", "model_states", "table", "unsharded_bytes"]
+           "comm_bytes_per_gpu", "fits", "measured", "memory_per_gpu", "model_states",
+           "unsharded_bytes"]

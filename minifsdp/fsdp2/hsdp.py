@@ -44,13 +44,18 @@ the Note [bytes vs wire bytes] of ``minifsdp/comm.py``::
     all-reduce           --                                2 (R-1)/R 4 Psi / S, across nodes
 
 So HSDP pays R times FSDP's model-state memory, and in exchange every collective over the
-full parameter size stays on the fast intra-node links; only a 1/S-sized shard of the
-gradients crosses nodes, once per step. FSDP's three collectives are rings over all N ranks
-that cross the slow links, so each moves about 4 Psi per rank at inter-node speed. E.g.
-R = 16 nodes of S = 8 GPUs, Psi = 7e9: per rank and step, 2 (15/16) 28 GB / 8 = 6.6 GB cross
-the nodes instead of about 3 x 28 GB = 84 GB at inter-node speed, and each GPU holds
-16 Psi / 8 = 14 GB of model state instead of 16 Psi / 128 = 0.9 GB. Measured at R = S = 2
-on the test GPT: tests/test_fsdp2_hsdp.py.
+full parameter size stays inside the node; only a 1/S-sized shard of the gradients crosses
+nodes, once per step. FSDP's three collectives are rings over all N ranks that cross nodes.
+E.g. R = 16 nodes of S = 8 GPUs, Psi = 7e9: per rank and step, 2 (15/16) 28 GB / 8 = 6.6 GB
+go through an all-reduce across nodes instead of about 3 x 28 GB = 84 GB through node-
+spanning rings, and each GPU holds 16 Psi / 8 = 14 GB of model state instead of
+16 Psi / 128 = 0.9 GB. What those bytes cost depends on the network. On a DGX H100 cluster
+(a 400 Gb/s NIC per GPU) NCCL spreads a node-spanning ring over all 8 NICs, so its bus
+bandwidth is close to NVLink's for large messages; what grows is the ring's latency, linear
+in N (Notes [hardware defaults] and [collective time] in ``minifsdp/scale_time.py``, which
+chapter 09 uses to price both). With fewer NICs per node, or TCP, the bytes dominate and
+HSDP's 13x fewer of them decide. Measured at R = S = 2 on the test GPT:
+tests/test_fsdp2_hsdp.py.
 
 Note [HSDP accumulation]: with several micro-batches per step, each backward but the step's
 last may reduce as usual (the default) or skip part of it:
