@@ -14,8 +14,8 @@ Drop-in wrappers with ``torch.distributed``'s signatures, plus a keyword-only ``
 
 Note [bytes vs wire bytes]: a record keeps two sizes. ``bytes`` is the payload of the
 *input* tensor, as torch's own logs define it (for all_gather that is the small shard). The
-``wire_bytes`` are what this rank *sends* under the ring algorithm NCCL and gloo use for
-large messages, with S the bytes of the full (unsharded) tensor:
+``wire_bytes`` are what this rank *sends* under the ring algorithm NCCL uses for large
+messages, with S the bytes of the full (unsharded) tensor:
     all_reduce      2(N-1)/N * S    (a reduce-scatter, then an all-gather)
     reduce_scatter   (N-1)/N * S    (S = the input; each rank keeps one of N chunks)
     all_gather       (N-1)/N * S    (S = the output; each rank already has its own chunk)
@@ -24,6 +24,11 @@ large messages, with S the bytes of the full (unsharded) tensor:
     send / recv          S / 0
 The wrappers compute these from the formula; ``minifsdp.ring`` *measures* them, one send at
 a time, and ``minifsdp.demos.collectives --demo ring`` shows that the two agree.
+They are the ring's bytes on every backend, so one log reads the same on CPU and GPU. gloo
+runs its own algorithms: a ring for all-reduce and all-gather, but no reduce-scatter of its
+own -- ``ProcessGroupGloo::reduce_scatter_tensor_coalesced`` all-reduces a clone of the input
+and keeps one chunk, so on gloo a reduce-scatter sends an all-reduce's 2(N-1)/N * S (chapter
+03 measures the clone).
 
 Note [broadcast bytes]: in the pipelined chain (ring) broadcast, every rank except the last
 in the chain forwards the whole payload once, so S per rank is the maximum and (N-1)/N * S
