@@ -17,10 +17,9 @@ ranks. Not part of the test suite.
 
 On a CPU-only machine all ranks share the same cores, gloo goes through the kernel's loopback
 and there are no streams to overlap on, so a prefetch can only move the wait, and absolute
-numbers say little about GPUs; the peaks are exact tensor bytes. With either setting our peak is
-above torch's (2.5 MiB on the default GPT): our reduce-scatter is asynchronous and keeps its
-input alive until the next one starts (Note [final callback] in ``minifsdp/fsdp1.py``); torch's, on
-CPU, blocks. BACKWARD_PRE adds exactly one unsharded block to both peaks.
+numbers say little about GPUs; the peaks are exact tensor bytes. Ours equal torch's with either
+setting: on the CPU both block in each reduce-scatter (Note [final callback] in
+``minifsdp/fsdp1.py``), and BACKWARD_PRE adds exactly one unsharded block to both peaks.
 """
 
 from __future__ import annotations

@@ -59,12 +59,16 @@ Note [final callback]: the root queues ``_finalize_backward`` with
 ``Variable._execution_engine.queue_callback``; autograd runs it when the whole backward is done
 (Note [when backward ends] in ``minifsdp.ddp``). It waits for the last reduce-scatter, frees
 units whose post-backward hook never ran (no gradient reached them), and resets the
-per-backward flags. Each reduce-scatter runs asynchronously, overlapping the next unit's
-backward, and is waited for when the next one starts: at most one in flight, so at most two
-unsharded gradients alive. The overlap costs that second gradient: on benchmarks/fsdp1.py's
-GPT at N = 2 the peak is 37.4 MiB, and 34.9 MiB with a blocking reduce-scatter, which is torch
-FSDP1's peak (without prefetch) to the byte. (On GPUs torch reduce-scatters on a side stream,
-and the gradient's memory cannot be reused before that stream is done with it either.)
+per-backward flags. Where a device has streams, each reduce-scatter runs asynchronously,
+overlapping the next unit's backward, and is waited for when the next one starts: at most one
+in flight, so at most two unsharded gradients alive -- as torch, which reduce-scatters on a
+side stream and cannot reuse the gradient's memory before that stream is done with it. On
+the CPU there is no stream to overlap on, and torch's reduce-scatter call blocks there (it
+is issued with ``async_op=False``, ``_reduce_grad`` in ``torch/distributed/fsdp/
+_runtime_utils.py``). So does ours: it is waited for at once, the unsharded gradient is freed
+before the next unit's backward, and the peak is torch FSDP1's. Waiting later would cost a
+second unsharded gradient (on benchmarks/fsdp1.py's GPT at N = 2: 37.4 MiB instead of 34.9)
+for an overlap that 2 CPU cores cannot give.
 
 Note [CPU offload]: with ``CPUOffload(offload_params=True)`` the shard (and its gradient, which
 the optimizer needs beside it) lives in host memory: each all-gather starts by copying the
@@ -359,7 +363,8 @@ class FullyShardedDataParallel(nn.Module):
         root._reduce(self, grad)
 
     def _reduce(self, unit: FullyShardedDataParallel, grad: torch.Tensor) -> None:
-        """(root) Average ``grad`` over ranks into ``unit``'s shard gradient, asynchronously."""
+        """(root) Average ``grad`` over ranks into ``unit``'s shard gradient (asynchronously where
+        the device has streams)."""
         self._finish_pending()
         before, _ = unit._divide
         if before > 1:  # Note [divide before and after]
@@ -373,6 +378,8 @@ class FullyShardedDataParallel(nn.Module):
             out = grad
             work = comm.all_reduce(grad, group=unit._group, async_op=True, tag=f"{unit._name} grad")
         self._pending = (unit, work, grad, out)
+        if grad.device.type == "cpu":  # no stream to overlap on (Note [final callback])
+            self._finish_pending()
 
     @torch.no_grad()
     def _finish_pending(self) -> None:
