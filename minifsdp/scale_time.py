@@ -43,14 +43,14 @@ op. The link: a group whose ranks share a node (ranks are numbered node by node)
 NICs of a node, so only 1.1x below NVLink). The latency is a *ring's*, as NCCL models it
 (src/graph/tuning.cc, Ring/Simple, the protocol of large messages): a base of 8.4 us plus one
 per-hop latency per ring step -- N-1 steps for all-gather and reduce-scatter, 2(N-1) for
-all-reduce -- of which the steps that cross nodes (nodes-1, resp. 2(nodes-1)) cost 9.6 us
-and the rest 3.4 us (NVLink). So a ring's latency grows linearly with N: 4.3 ms for an
-all-gather over 1024 GPUs, as much as moving 1.7 GB. We model the ring for all three ops.
-NCCL has only the ring for all-gather and reduce-scatter at these sizes (PAT, its
-logarithmic algorithm, is for one GPU per node), but for all-reduce it may pick a tree,
-whose latency grows with log2(nodes) instead (tuning.cc: 2 ((N/nodes - 1) intra + log2(nodes)
-inter)) at a lower bandwidth: for HSDP's all-reduce the ring is the pessimistic choice.
-Not modelled: congestion, stragglers, SHARP / NVLS in-network reductions.
+all-reduce -- of which the steps that cross nodes (nodes-1, resp. 2(nodes-1)) cost 14 us
+(NCCL 2.18.1 and later; 2.17 charged 9.6) and the rest 3.4 us (NVLink). So a ring's latency
+grows linearly with N: 4.8 ms for an all-gather over 1024 GPUs, as much as moving 1.9 GB.
+We model the ring for all three ops. NCCL has only the ring for all-gather and reduce-scatter
+at these sizes (PAT, its logarithmic algorithm, is for one GPU per node), but for all-reduce it
+may pick a tree, whose latency grows with log2(nodes) instead (tuning.cc: 2 ((N/nodes - 1)
+intra + log2(nodes) inter)) at a lower bandwidth: for HSDP's all-reduce the ring is the
+pessimistic choice. Not modelled: congestion, stragglers, SHARP / NVLS in-network reductions.
 
 Note [exposed communication at scale]: one compute stream, one communication stream, and
 prefetching one unit ahead (chapter 06). Each stretch of compute hides the communication
@@ -96,7 +96,7 @@ class Hardware:
     inter_bw: float = 400e9
     base_latency: float = 8.4e-6
     intra_latency: float = 3.4e-6  # per ring step on NVLink
-    inter_latency: float = 9.6e-6  # per ring step that crosses nodes
+    inter_latency: float = 14e-6  # per ring step that crosses nodes (NCCL >= 2.18.1)
     gpus_per_node: int = 8
 
     def bandwidth(self, level: str) -> float:
@@ -171,7 +171,7 @@ def ring_latency(op: str, n: int, nodes: int, hw: Hardware = None) -> float:
 
     Example:
         >>> round(ring_latency("all_gather", 1024, 128) * 1e3, 2)   # 896 NVLink + 127 network
-        4.27
+        4.83
     """
     hw = hw or H100
     if n == 1:
