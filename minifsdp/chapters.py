@@ -92,7 +92,7 @@ INFRASTRUCTURE: tuple[str, ...] = (
         "train", "strategies", "probes", "gpucheck", "demos/__init__"),
     *_t("test_data", "test_launch", "test_notebook", "test_project", "test_train",
         "test_strategies", "test_gpu", "test_gpu_ready", "test_labs", "test_lab_bugs",
-        "test_benchmarks", "test_chapters", "exercise_checks"),
+        "test_benchmarks", "test_chapters", "exercise_checks", "jobs"),
     *_w("faulty"),
 )
 
