@@ -35,6 +35,8 @@ from minifsdp.scale_time import (
     H100,
     LLAMA31_8B,
     PUBLISHED,
+    PUBLISHED_TP_PP,
+    PUBLISHED_TP_PP_URLS,
     Hardware,
     bus_factor,
     collective_time,
@@ -373,3 +375,13 @@ def test_gloo_collective_times(launched):
         pred = sum(predict_messages(msgs, d["latency"], d["busbw"]))
         ratio = d["step_seconds"] / pred
         assert 0.25 < ratio < 4, (n, ratio, d["latency"], d["busbw"])
+
+
+def test_published_tp_pp_rows_are_consistent():
+    """torchtitan's 70B and 405B rows as transcribed: each mesh covers its GPUs, each row names
+    a source, and the bf16 70B rows convert to an MFU in the range torchtitan's 8B rows reach."""
+    for row in PUBLISHED_TP_PP:
+        assert row["dp"] * row["tp"] * row["pp"] == row["gpus"], row
+        assert row["tp"] > 1 and row["source"] in PUBLISHED_TP_PP_URLS, row
+    bf16 = [published_mfu(r, PRESETS[r["model"]]) for r in PUBLISHED_TP_PP if not r["float8"]]
+    assert bf16 and all(0.25 < m < 0.40 for m in bf16), bf16
