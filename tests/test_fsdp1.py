@@ -44,6 +44,7 @@ import torch.nn.functional as F
 
 from minifsdp import fsdp1
 from minifsdp.fsdp1.flat_param import FlatParamHandle, flat_layout, registered_params
+from minifsdp.fsdp1.fully_sharded import _clean
 from minifsdp.fsdp1.wrap import (
     assign_owners,
     plan_units,
@@ -395,7 +396,7 @@ def test_policies_pick_the_units_torch_picks(one_rank, kind, policy, units):
         return build_model(kind, **({} if kind == "cnn" else {"d_model": 32}))
 
     def wrapped(model, cls):
-        return sorted(fsdp1._clean(n) for n, m in model.named_modules() if isinstance(m, cls))
+        return sorted(_clean(n) for n, m in model.named_modules() if isinstance(m, cls))
 
     assert [n for n, _ in plan_units(make(), policy)] == units
     ours = fsdp1.FSDP(make(), auto_wrap_policy=policy)
