@@ -24,8 +24,8 @@ def test_every_file_named_exists_and_is_named_once():
 
 def test_every_module_test_worker_and_notebook_belongs_somewhere():
     files = [p.relative_to(ROOT).as_posix() for pattern in (
-        "minifsdp/*.py", "minifsdp/fsdp2/*.py", "minifsdp/demos/*.py", "tests/test_*.py",
-        "tests/workers/*.py", "notebooks/*.ipynb") for p in ROOT.glob(pattern)]
+        "minifsdp/*.py", "minifsdp/fsdp1/*.py", "minifsdp/fsdp2/*.py", "minifsdp/demos/*.py",
+        "tests/test_*.py", "tests/workers/*.py", "notebooks/*.ipynb") for p in ROOT.glob(pattern)]
     assert sorted(set(files) - set(_indexed())) == [], "add them to minifsdp/chapters.py"
 
 

@@ -1,4 +1,4 @@
-"""FSDP1's knobs (``minifsdp.fsdp1_options``, ``minifsdp.fsdp1_grads``): mixed precision,
+"""FSDP1's knobs (``minifsdp.fsdp1.options``, ``minifsdp.fsdp1.grads``): mixed precision,
 backward and forward prefetch, ``no_sync``, ``clip_grad_norm_`` and frozen parameters inside a
 unit, each against torch FSDP1 (``use_orig_params=True``, ``device_id`` the CPU) bit for bit.
 
