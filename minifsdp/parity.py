@@ -269,6 +269,18 @@ def first_divergence(ours: Any, theirs: Any, *, names: tuple[str, str] = ("ours"
     return None
 
 
+def divergence_line(ours: Any, theirs: Any, **kwargs: Any) -> str | None:
+    """``first_divergence``'s line, or ``None``: what a torchrun worker reports in its JSON
+    for the test to assert on (``assert case["vs_torch"] is None, case["vs_torch"]``).
+
+    Example:
+        >>> divergence_line([1.0, 2.0], [1.0, 3.0], names=("zero1", "single"), where="rank 0")
+        'step 1, rank 0: zero1 2 (0x4000000000000000) vs single 3 (0x4008000000000000)'
+    """
+    d = first_divergence(ours, theirs, **kwargs)
+    return None if d is None else str(d)
+
+
 def worst_divergence(ours: Any, theirs: Any, *, atol: float = 0.0, rtol: float = 0.0,
                      names: tuple[str, str] = ("ours", "torch"), where: str = "",
                      equal_nan: bool = False, masks: Mapping[str, torch.Tensor] | None = None,

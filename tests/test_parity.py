@@ -11,6 +11,7 @@ from minifsdp.parity import (
     assert_bitwise,
     assert_close,
     bits,
+    divergence_line,
     first_divergence,
     max_abs_diff,
     worst_divergence,
@@ -48,6 +49,7 @@ def test_equal_results_pass_every_check():
     assert_close(a, b, atol=0, rtol=0)
     assert first_divergence(2.5, 2.5) is None and first_divergence([1, 2], [1, 2]) is None
     assert first_divergence({"g": None}, {"g": None}) is None  # no gradient on either side
+    assert divergence_line(a, b) is None
 
 
 @pytest.mark.parametrize("name,index", [("blocks.0.attn.qkv.weight", (3, 1)),
@@ -67,6 +69,7 @@ def test_one_ulp_is_found_at_its_index_with_its_bits(name, index):
     assert line.startswith(f"step 2, rank 1, {name}[{', '.join(map(str, index))}]: ours ")
     assert f"({d.ours_bits}) vs torch " in line and f"({d.theirs_bits})" in line
     assert "\n" not in line
+    assert divergence_line([ours, ours, ours], [ours, ours, theirs], where="rank 1") == line
     with pytest.raises(AssertionError, match=r"^step 2, rank 1, " + name.replace(".", r"\.")):
         assert_bitwise([ours, ours, ours], [ours, ours, theirs], where="rank 1")
     # a bound of 0 catches it too, at the same element; one ulp of the value lets it pass
