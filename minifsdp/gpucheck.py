@@ -244,13 +244,13 @@ def run_one(strategy: str, extra: tuple, steps: int, info, tiny: bool = False,
     return out
 
 
-def compare(a: dict, b: dict) -> dict:
+def compare(a: dict, b: dict, names: tuple[str, str] = ("ours", "torch")) -> dict:
     """Two runs bit for bit (Note [parity] in minifsdp/parity.py): losses, parameters, the
     first parameter element that differs, and the largest difference (its parameter, and how
     many elements differ at all)."""
     pa, pb = a["params"], b["params"]
     loss = parity.first_divergence(a["losses"], b["losses"])
-    first = parity.first_divergence(pa, pb)
+    first = parity.first_divergence(pa, pb, names=names)
     alike = first is None or first.kind == "value"  # the same names, shapes and dtypes
     worst = parity.worst_divergence(pa, pb) if alike else None  # atol = rtol = 0
     return {
@@ -292,7 +292,7 @@ def worker(steps: int, tiny: bool) -> None:
             for first, strategy in ((a, pair.ours), (b, pair.torch)):
                 again = run_one(strategy, pair.extra, steps, info, tiny, pair.foreach)
                 out["repeats"].append({"name": f"{strategy} ({pair.name}) twice",
-                                       **compare(first, again)})
+                                       **compare(first, again, ("first run", "second run"))})
         del a, b
     finish(out)
 
