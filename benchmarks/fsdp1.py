@@ -9,7 +9,7 @@ default ``backward_prefetch=BackwardPrefetch.BACKWARD_PRE`` and with prefetching
 (``backward_prefetch=None``) -- all FULL_SHARD, each transformer block a unit, and times
 training steps (forward, backward, AdamW step) in interleaved rounds, so that drift in the
 machine's speed hits all alike. Each row compares like with like: ours against torch with the
-same prefetch setting (Note [backward prefetch] in ``minifsdp/fsdp1_options.py``). A step's time
+same prefetch setting (Note [backward prefetch] in ``minifsdp/fsdp1/options.py``). A step's time
 is the slowest rank's, after a barrier; we report the median over all rounds' steps after
 warm-up and the range of the per-round ratios, the machine's noise. Memory: one more step of
 each under ``MemoryTracker``, after warm-up (the optimizer state exists), the largest peak over
@@ -19,7 +19,8 @@ On a CPU-only machine all ranks share the same cores, gloo goes through the kern
 and there are no streams to overlap on, so a prefetch can only move the wait, and absolute
 numbers say little about GPUs; the peaks are exact tensor bytes. Ours equal torch's with either
 setting: on the CPU both block in each reduce-scatter (Note [final callback] in
-``minifsdp/fsdp1.py``), and BACKWARD_PRE adds exactly one unsharded block to both peaks.
+``minifsdp/fsdp1/fully_sharded.py``), and BACKWARD_PRE adds exactly one unsharded block to both
+peaks.
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """Lab 04: the FlatParameter: flatten, pad, shard, view, free. Read Note [flat layout] first.
 
 Seams "flat_param.layout" (flat_layout), "flat_param.shard" (rank_shard), "flat_param.views"
-(FlatParamHandle.unflatten), "flat_param.reshard" (FlatParamHandle.reshard), in minifsdp.flat_param.
+(FlatParamHandle.unflatten), "flat_param.reshard" (FlatParamHandle.reshard), in
+minifsdp.fsdp1.flat_param.
 Check: python -m minifsdp.labs 04   (start: --start)   Hints: --hint (1, 2, 3)
 Bar: bit for bit against torch FSDP1 (use_orig_params=True) at N = 2 and 3: every unit's padded
 numel and shard (fp32; bf16 on a process group of one rank), the views' values, three Adam steps

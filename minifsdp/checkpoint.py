@@ -35,7 +35,10 @@ So ranks write into ``step_000040.tmp``; after a barrier, rank 0 writes the mani
 the directory to ``step_000040`` (a rename is atomic) and only then repoints ``latest``
 (written to ``latest.tmp``, fsynced, ``os.replace``-d). A crash before the rename leaves a
 ``.tmp`` directory that no reader looks at (the next save deletes it); ``latest`` still names
-the previous step. The ``keep`` newest step directories are kept. A load checks first:
+the previous step. Saving a step that already exists (a resumed run) first moves the old one
+to ``step_000040.old``; a crash between that rename and the next leaves ``latest`` naming a
+missing directory, so ``find_checkpoint`` then takes ``step_000040.old``, the last good one
+(the next save deletes it). The ``keep`` newest step directories are kept. A load checks first:
 manifest present and parseable, every listed file present with its recorded size, ``.metadata``
 readable -- on rank 0, which broadcasts the verdict, so every rank raises the same
 ``CheckpointError`` instead of some ranks waiting in a collective for the others. (Sizes catch
@@ -174,14 +177,17 @@ def save_checkpoint(path: str | os.PathLike, model: nn.Module,
 # ---- validate and load ----------------------------------------------------------------------
 
 def find_checkpoint(path: str | os.PathLike) -> Path:
-    """``path`` itself if it is a step directory, else the one its ``latest`` file names."""
+    """``path`` itself if it is a step directory, else the one its ``latest`` file names (or
+    that one's ``.old`` copy, if a re-save of the same step crashed: Note [atomic save])."""
     path = Path(path)
     pointer = path / LATEST
     if pointer.is_file():
         name = pointer.read_text().strip()
-        if not (path / name).is_dir():
-            raise CheckpointError(f"{pointer} names {name!r}, which does not exist in {path}")
-        return path / name
+        if (path / name).is_dir():
+            return path / name
+        if (path / f"{name}.old").is_dir():  # a re-save crashed between its renames
+            return path / f"{name}.old"          # (Note [atomic save])
+        raise CheckpointError(f"{pointer} names {name!r}, which does not exist in {path}")
     if path.is_dir() and ((path / MANIFEST).exists() or (path / ".metadata").exists()
                           or any(path.glob("*.distcp")) or STEP_DIR.match(path.name)):
         return path  # validate() says what is wrong with it, if anything

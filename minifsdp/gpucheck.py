@@ -46,7 +46,7 @@ differs on CUDA at N = 1:
    (``gradient_divide_factors(1) == (1.0, 1.0)``). No arithmetic differs: not the cause.
 2. Streams (torch reduces on a side stream, unshards on another), ``_use_unsharded_views``
    (split + view of one flat tensor, as ours), the 16-byte alignment of every view (ours
-   aligns alike, Note [alignment] in ``minifsdp.flat_param``; every numel of this GPT is a
+   aligns alike, Note [alignment] in ``minifsdp.fsdp1.flat_param``; every numel of this GPT is a
    multiple of 4 anyway), the fp32 cast of the gradient (a no-op in fp32), TF32 (off:
    ``make_deterministic``): none changes a bit of the forward, and the losses agree.
 3. **The optimizer** (a hypothesis when written, confirmed since, below): ``torch.optim``

@@ -488,8 +488,8 @@ def _worker_error(name: str, launcher_out: str, errs: dict[int, str], code: int)
         return WorkerError(f"{name}: torchrun exited with code {code}:\n"  # an import error
                            f"{_tail(launcher_out, 60)}", rank, errs)      # in torchrun, ...)
     rank_code = int(m.group(2)) if m else code
-    own, dump = _split_stack_dump(errs[rank])
-    if rank_code < 0 and "Fatal Python error" in own:  # a native crash: where it was
+    own, dump = split_stack_dump(errs[rank])
+    if rank_code < 0 and FATAL in dump:  # a native crash: where it was
         own += dump  # (faulthandler, enabled by dist._install_stack_dumps)
     if rank_code < 0:  # killed by a signal: it could print nothing of its own
         sig = signal.Signals(-rank_code).name if -rank_code in signal.valid_signals() else "?"
@@ -503,7 +503,7 @@ def _worker_error(name: str, launcher_out: str, errs: dict[int, str], code: int)
     for r, text in sorted(errs.items()):
         if r == rank:
             continue
-        error, stack = _split_stack_dump(text)
+        error, stack = split_stack_dump(text)
         if "Traceback (most recent call last)" in error:  # what the failure did to the others
             msg += f"\n----- rank {r} then failed with -----\n{_tail(error, 12)}"
         elif "File " in stack:
@@ -513,12 +513,20 @@ def _worker_error(name: str, launcher_out: str, errs: dict[int, str], code: int)
     return WorkerError(msg, rank, errs)
 
 
-def _split_stack_dump(text: str) -> tuple[str, str]:
-    """A rank's stderr -> (what it printed itself, the stack dump faulthandler appended when it
-    was stopped: "Current thread 0x... (most recent call first)"). A dump of a rank stopped
-    while garbage-collecting names no Python frame; it is returned all the same."""
-    at = re.search(r"^(\[rank\d+\]: )?(Current thread|Thread) 0x[0-9a-f]+ "
-                   r"\(most recent call first\)", text, re.M)
+FATAL = "Fatal Python error: "  # faulthandler's first line on a fatal signal
+
+
+def split_stack_dump(text: str) -> tuple[str, str]:
+    """A rank's stderr -> (what it printed itself, what faulthandler appended after it). On a
+    fatal signal, a native crash, the dump starts at ``FATAL`` ("Fatal Python error:
+    Segmentation fault"; "...: Aborted" after gloo's abort message, which stays the rank's own)
+    and holds every thread's stack; a rank stopped by
+    SIGUSR1 or SIGTERM dumps the stacks alone, from "Current thread 0x... (most recent call
+    first)" (dist._install_stack_dumps enables both). A dump of a rank stopped while
+    garbage-collecting names no Python frame; it is returned all the same. Lines may carry
+    torchrun's "[rankN]: " prefix."""
+    at = re.search(rf"^(\[rank\d+\]: )?({FATAL}|(Current thread|Thread) 0x[0-9a-f]+ "
+                   r"\(most recent call first\))", text, re.M)
     return (text, "") if at is None else (text[:at.start()], text[at.start():])
 
 

@@ -61,7 +61,7 @@ import math
 from dataclasses import dataclass
 
 from minifsdp.analytic import model_state_bytes
-from minifsdp.flat_param import ALIGN_BYTES, flat_layout
+from minifsdp.fsdp1.flat_param import ALIGN_BYTES, flat_layout
 from minifsdp.models import GPTConfig
 
 Shape = tuple[int, ...]
@@ -147,7 +147,8 @@ def _fsdp2_local(s: Shape, n: int, rank: int) -> int:
 
 
 def _fsdp1_padded(shapes: list[Shape], n: int, elem: int) -> int:
-    """FSDP1: one flat parameter, 16-byte aligned starts, total padded to N (flat_param.py)."""
+    """FSDP1: one flat parameter, 16-byte aligned starts, total padded to N
+    (fsdp1/flat_param.py)."""
     return flat_layout([math.prod(s) for s in shapes], n, max(1, ALIGN_BYTES // elem))[1]
 
 

@@ -25,15 +25,15 @@ for H100 SXM in stas00/ml-engineering, compute/accelerator/README.md (MAMF table
 peak) -- the best a large bf16 matmul does, so compute time here is a lower bound and MFU an
 upper one; NVLink 4: 900 GB/s both directions, so 450e9 B/s bus bandwidth, the line rate;
 8 GPUs a node. The network: one 400 Gb/s NIC per GPU, 8 per node (DGX H100; torchtitan's
-docs/performance.md: "400 Gb/s per GPU"). A ring that spans nodes does not squeeze through
-one NIC: NCCL builds one ring per channel and puts each channel's node-crossing hop on a
-different NIC, so all 8 NICs carry a share and the bus bandwidth of a node-spanning ring is
-bounded by the node's 8 x 50 GB/s = 400e9 B/s, not by one NIC's 50 (NCCL's own cost model,
-src/graph/tuning.cc ``ncclTopoTuneModel``: busBw = nChannels x per-channel speed). Published
-nccl-tests all_reduce bus bandwidths on H100 + NDR clusters are 400-450 GB/s at multi-GB
-sizes (e.g. Saturn Cloud's cluster-validation guide, "H100 SXM, NVLink + IB NDR: 400-450
-GB/s", which includes SHARP/NVLS offload where present): 8x to 9x the one-NIC figure this
-module used before. Line rates make communication times lower bounds.
+benchmarks/llama3_h100_202412_torchtitan.md: "400 Gb/s per GPU"). A ring that spans nodes does
+not squeeze through one NIC: NCCL builds one ring per channel and puts each channel's
+node-crossing hop on a different NIC, so all 8 NICs carry a share and the bus bandwidth of a
+node-spanning ring is bounded by the node's 8 x 50 GB/s = 400e9 B/s, not by one NIC's 50
+(NCCL's own cost model, src/graph/tuning.cc ``ncclTopoTuneModel``: busBw = nChannels x
+per-channel speed). Published nccl-tests all_reduce bus bandwidths on H100 + NDR clusters are
+400-450 GB/s at multi-GB sizes (e.g. Saturn Cloud's cluster-validation guide, "H100 SXM, NVLink +
+IB NDR: 400-450 GB/s", which includes SHARP/NVLS offload where present): 8x to 9x the one-NIC
+figure this module used before. Line rates make communication times lower bounds.
 
 Note [collective time]: ``latency + wire / busbw``, with wire = (N-1)/N S for all-gather
 and reduce-scatter and 2(N-1)/N S for all-reduce, S the full tensor's bytes -- nccl-tests'
@@ -43,14 +43,14 @@ op. The link: a group whose ranks share a node (ranks are numbered node by node)
 NICs of a node, so only 1.1x below NVLink). The latency is a *ring's*, as NCCL models it
 (src/graph/tuning.cc, Ring/Simple, the protocol of large messages): a base of 8.4 us plus one
 per-hop latency per ring step -- N-1 steps for all-gather and reduce-scatter, 2(N-1) for
-all-reduce -- of which the steps that cross nodes (nodes-1, resp. 2(nodes-1)) cost 9.6 us
-and the rest 3.4 us (NVLink). So a ring's latency grows linearly with N: 4.3 ms for an
-all-gather over 1024 GPUs, as much as moving 1.7 GB. We model the ring for all three ops.
-NCCL has only the ring for all-gather and reduce-scatter at these sizes (PAT, its
-logarithmic algorithm, is for one GPU per node), but for all-reduce it may pick a tree,
-whose latency grows with log2(nodes) instead (tuning.cc: 2 ((N/nodes - 1) intra + log2(nodes)
-inter)) at a lower bandwidth: for HSDP's all-reduce the ring is the pessimistic choice.
-Not modelled: congestion, stragglers, SHARP / NVLS in-network reductions.
+all-reduce -- of which the steps that cross nodes (nodes-1, resp. 2(nodes-1)) cost 14 us
+(NCCL 2.18.1 and later; 2.17 charged 9.6) and the rest 3.4 us (NVLink). So a ring's latency
+grows linearly with N: 4.8 ms for an all-gather over 1024 GPUs, as much as moving 1.9 GB.
+We model the ring for all three ops. NCCL has only the ring for all-gather and reduce-scatter
+at these sizes (PAT, its logarithmic algorithm, is for one GPU per node), but for all-reduce it
+may pick a tree, whose latency grows with log2(nodes) instead (tuning.cc: 2 ((N/nodes - 1)
+intra + log2(nodes) inter)) at a lower bandwidth: for HSDP's all-reduce the ring is the
+pessimistic choice. Not modelled: congestion, stragglers, SHARP / NVLS in-network reductions.
 
 Note [exposed communication at scale]: one compute stream, one communication stream, and
 prefetching one unit ahead (chapter 06). Each stretch of compute hides the communication
@@ -96,7 +96,7 @@ class Hardware:
     inter_bw: float = 400e9
     base_latency: float = 8.4e-6
     intra_latency: float = 3.4e-6  # per ring step on NVLink
-    inter_latency: float = 9.6e-6  # per ring step that crosses nodes
+    inter_latency: float = 14e-6  # per ring step that crosses nodes (NCCL >= 2.18.1)
     gpus_per_node: int = 8
 
     def bandwidth(self, level: str) -> float:
@@ -109,15 +109,41 @@ class Hardware:
 H100 = Hardware()
 LLAMA31_8B = Transformer(32, 4096, 32, 8, 14336, 128256, 8192)  # Llama 3.1 8B's config.json
 
-# What torchtitan reports for FSDP2 alone (1-D) on H100s (pytorch/torchtitan docs/performance.md,
-# Tables 1 and 3, the tables of its paper, arXiv 2410.06511): Llama 3.1 8B, local batch 2,
-# sequence 8192, selective activation checkpointing, no torch.compile, no Float8; tokens/s per
-# GPU. Their 70B and 405B rows use tensor / pipeline parallelism, which this model leaves out.
+# What torchtitan reports for FSDP2 alone (1-D) on H100s (pytorch/torchtitan
+# benchmarks/llama3_h100_202412_torchtitan.md, docs/performance.md until June 2025, Tables 1 and
+# 3, the tables of its paper, arXiv 2410.06511): Llama 3.1 8B, local batch 2, sequence 8192,
+# selective activation checkpointing, no torch.compile, no Float8; tokens/s per GPU.
 PUBLISHED = [
     {"model": "Llama 3.1 8B", "gpus": 8, "micro_batch": 2, "seq_len": 8192, "tps": 5762},
     {"model": "Llama 3.1 8B", "gpus": 128, "micro_batch": 2, "seq_len": 8192, "tps": 5605},
 ]
-PUBLISHED_URL = "https://github.com/pytorch/torchtitan/blob/main/docs/performance.md"
+PUBLISHED_URL = ("https://github.com/pytorch/torchtitan/blob/main/benchmarks/"
+                 "llama3_h100_202412_torchtitan.md")
+# torchtitan's 70B and 405B rows on the same H100s, all with tensor (and for 405B pipeline)
+# parallelism, torch.compile and full activation checkpointing: a configuration this model does
+# not describe (it covers FSDP and HSDP only), so they are drawn for reference, not compared.
+# Tokens/s per GPU; "dp", "tp", "pp" the mesh's degrees; "float8": Float8 linears, for which
+# torchtitan reports no MFU (two peaks). The files do not state the sequence length: 8192 is
+# seq_len in torchtitan's llama3_70b.toml and llama3_405b.toml at the commits they list.
+PUBLISHED_TP_PP_URLS = {
+    "2024-12": PUBLISHED_URL,  # Tables 4 and 5
+    "2025-06": ("https://github.com/pytorch/torchtitan/blob/main/benchmarks/"
+                "asyncTP_llama3_h100_2025-06_torchtitan.md"),
+}
+PUBLISHED_TP_PP = [
+    {"model": "70B", "gpus": 256, "dp": 32, "tp": 8, "pp": 1, "micro_batch": 16, "seq_len": 8192,
+     "tps": 597.3, "float8": False, "what": "TP", "source": "2025-06"},
+    {"model": "70B", "gpus": 256, "dp": 32, "tp": 8, "pp": 1, "micro_batch": 16, "seq_len": 8192,
+     "tps": 652.4, "float8": False, "what": "async TP", "source": "2025-06"},
+    {"model": "70B", "gpus": 256, "dp": 32, "tp": 8, "pp": 1, "micro_batch": 16, "seq_len": 8192,
+     "tps": 829, "float8": True, "what": "TP", "source": "2024-12"},
+    {"model": "70B", "gpus": 256, "dp": 32, "tp": 8, "pp": 1, "micro_batch": 16, "seq_len": 8192,
+     "tps": 876, "float8": True, "what": "async TP", "source": "2024-12"},
+    {"model": "405B", "gpus": 512, "dp": 8, "tp": 8, "pp": 8, "micro_batch": 32, "seq_len": 8192,
+     "tps": 100, "float8": True, "what": "async TP, PP 1F1B", "source": "2024-12"},
+    {"model": "405B", "gpus": 512, "dp": 8, "tp": 8, "pp": 8, "micro_batch": 32, "seq_len": 8192,
+     "tps": 128, "float8": True, "what": "async TP, PP interleaved 1F1B", "source": "2024-12"},
+]
 # The Llama 3 paper (arXiv 2407.21783, Table 4): 38-43% BF16 MFU on 8K-16K H100s with 4-D
 # parallelism (TP 8, CP, PP 16, FSDP) -- a reference level, not a configuration modelled here.
 LLAMA3_MFU = (0.38, 0.43)
@@ -171,7 +197,7 @@ def ring_latency(op: str, n: int, nodes: int, hw: Hardware = None) -> float:
 
     Example:
         >>> round(ring_latency("all_gather", 1024, 128) * 1e3, 2)   # 896 NVLink + 127 network
-        4.27
+        4.83
     """
     hw = hw or H100
     if n == 1:
@@ -314,7 +340,8 @@ def published_mfu(row: dict, model: Transformer = LLAMA31_8B, hw: Hardware = H10
     return row["tps"] * flops_per_token(model, row["seq_len"]) / hw.peak_flops
 
 
-__all__ = ["H100", "LLAMA31_8B", "LLAMA3_MFU", "PRESETS", "PUBLISHED", "PUBLISHED_URL", "Hardware",
+__all__ = ["H100", "LLAMA31_8B", "LLAMA3_MFU", "PRESETS", "PUBLISHED", "PUBLISHED_TP_PP",
+           "PUBLISHED_TP_PP_URLS", "PUBLISHED_URL", "Hardware",
            "bus_factor", "collective_time", "exposed_time", "flops_per_token",
            "forward_flops_per_token", "full_bytes", "predict_messages", "published_mfu",
            "ring_latency",

@@ -201,7 +201,8 @@ def _torch_fsdp1(model, info, args):
     if args.cpu_offload and info.device.type == "cpu":
         raise ValueError("--cpu-offload: torch FSDP1's CPUOffload needs an accelerator (on CPU "
                          "the parameters are in host memory already); --strategy fsdp1 runs it "
-                         "on CPU, as the same code path (Note [CPU offload] in minifsdp/fsdp1.py)")
+                         "on CPU, as the same code path (Note [CPU offload] in "
+                         "minifsdp/fsdp1/fully_sharded.py)")
     policies = {
         "none": None,
         "size": functools.partial(wrap.size_based_auto_wrap_policy,

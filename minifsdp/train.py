@@ -90,7 +90,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "(torch DDP's default: 25)")
     p.add_argument("--sharding-strategy", choices=["full_shard", "shard_grad_op", "no_shard"],
                    default="full_shard", help="fsdp1, torch_fsdp1 (Note [sharding strategies] "
-                   "in minifsdp/fsdp1.py)")
+                   "in minifsdp/fsdp1/fully_sharded.py)")
     p.add_argument("--auto-wrap", choices=["none", "size", "transformer"], default="none",
                    help="fsdp1, torch_fsdp1: the units; none: the whole model is one unit; size: "
                    "wherever --min-num-params are not yet wrapped; transformer: each of the "
@@ -166,7 +166,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    default=None, help="fsdp2 (torch_fsdp2: not none): all-gather the next "
                    "unit during this one's backward (implicit, explicit, none; default implicit, "
                    "as torch); fsdp1, torch_fsdp1: backward_pre, backward_post or none (Note "
-                   "[backward prefetch] in minifsdp/fsdp1_options.py; default: each library's "
+                   "[backward prefetch] in minifsdp/fsdp1/options.py; default: each library's "
                    "own, torch backward_pre, ours none)")
     p.add_argument("--buffer-dtype", choices=sorted(DTYPES), default=None,
                    help="fsdp1, torch_fsdp1: mixed precision, the dtype of the buffers "

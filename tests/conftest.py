@@ -1,21 +1,26 @@
 """Shared fixture for the test modules that launch real torchrun jobs.
 
-A launch costs 6-15 s on 2 cores, mostly start-up during which a core idles. A module that
-uses ``launched`` declares its jobs, and the fixture starts every job the *selected* tests
-need, ``PARALLEL`` at a time, before the first test runs; each test then waits only for the
-jobs it reads. The module declares:
+A launch costs 6-15 s on 2 cores, mostly start-up during which a core idles. The tests of a
+module that uses ``launched`` declare the jobs they read beside themselves (``tests/jobs.py``:
+a ``launches`` mark on a test, ``fixture_of`` on a fixture), and the fixture starts every job
+the *selected* tests need, ``PARALLEL`` at a time, before the first test runs; each test then
+waits only for the jobs it reads. The module may set:
+
+    PARALLEL (default 2)                jobs at once
+    JOB_PREFIX (default: its name without test_, then _)   run names: runs/tests/<prefix><name>
+    LAUNCH_OPTIONS                      extra keyword arguments for ``torchrun``
+
+A module not converted yet declares its jobs module-wide instead (the older protocol):
 
     job(key) -> (target, nproc, args)   what to launch for a job key
     jobs_of(item) -> [key, ...]         the job keys a collected test reads
-    PARALLEL                            jobs at once
-    JOB_PREFIX                          run names: runs/tests/<prefix><key>
-    LAUNCH_OPTIONS (optional)           extra keyword arguments for ``torchrun``
 """
 
 import os
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import pytest
+from jobs import Job, declared
 
 from minifsdp.launch import torchrun
 
@@ -57,22 +62,45 @@ def _gpu_modules_use_the_rule(request, cpu_facts):
 
 @pytest.fixture(scope="module")
 def launched(request) -> dict[object, Future]:
-    """job key -> Future of its ``RunResult`` (or the ``WorkerError`` it raised)."""
+    """job -> Future of its ``RunResult`` (or the ``WorkerError`` it raised): every job that
+    the module's selected tests declare (``tests/jobs.py``), or, in a module that still
+    declares them the older way, that its ``jobs_of`` names (keyed as there)."""
     mod = request.module
     # (nbval's notebook cells, collected in the same session, have no .module)
-    keys = [k for item in request.session.items
-            if getattr(item, "module", None) is mod for k in mod.jobs_of(item)]
-    keys = sorted(set(keys), key=lambda k: -mod.job(k)[1])  # big jobs first: less idle tail
+    items = [item for item in request.session.items if getattr(item, "module", None) is mod]
+    if hasattr(mod, "jobs_of"):
+        wanted = {k: Job(k if isinstance(k, str) else "_".join(map(str, k)), *mod.job(k))
+                  for item in items for k in mod.jobs_of(item)}
+    else:
+        wanted = {job: job for item in items for job in declared(item)}
+    names = [job.name for job in wanted.values()]
+    if len(set(names)) < len(names):
+        twice = sorted({n for n in names if names.count(n) > 1})
+        raise ValueError(f"{mod.__name__}: two different jobs named {twice}: a run's "
+                         "directory is its name")
+    prefix = getattr(mod, "JOB_PREFIX", mod.__name__.removeprefix("test_") + "_")
     options = {"timeout": 300, "env": GLOO, **getattr(mod, "LAUNCH_OPTIONS", {})}
-    with ThreadPoolExecutor(mod.PARALLEL) as pool:
-        futures = {}
+    keys = sorted(wanted, key=lambda k: -wanted[k].nproc)  # big jobs first: less idle tail
+    with ThreadPoolExecutor(getattr(mod, "PARALLEL", 2)) as pool:
+        futures = Launched(mod.__name__)
         for key in keys:
-            target, nproc, args = mod.job(key)
-            name = mod.JOB_PREFIX + (key if isinstance(key, str) else "_".join(map(str, key)))
-            futures[key] = pool.submit(torchrun, target, *args, nproc=nproc, chapter="tests",
-                                       name=name, **options)
+            job = wanted[key]
+            futures[key] = pool.submit(torchrun, job.target, *job.args, nproc=job.nproc,
+                                       chapter="tests", name=prefix + job.name, **options)
         yield futures
         pool.shutdown(cancel_futures=True)  # a run cut short (-x, Ctrl-C) starts no more
+
+
+class Launched(dict):
+    """The ``launched`` futures; a job no selected test declared is a clear error."""
+
+    def __init__(self, module: str):
+        super().__init__()
+        self.module = module
+
+    def __missing__(self, key):
+        raise KeyError(f"{self.module}: job {key!r} was not launched: no selected test declares "
+                       "it (a launches mark on the test, or fixture_of on a fixture it requests)")
 
 
 @pytest.fixture(scope="module")

@@ -24,8 +24,8 @@ def test_every_file_named_exists_and_is_named_once():
 
 def test_every_module_test_worker_and_notebook_belongs_somewhere():
     files = [p.relative_to(ROOT).as_posix() for pattern in (
-        "minifsdp/*.py", "minifsdp/fsdp2/*.py", "minifsdp/demos/*.py", "tests/test_*.py",
-        "tests/workers/*.py", "notebooks/*.ipynb") for p in ROOT.glob(pattern)]
+        "minifsdp/*.py", "minifsdp/fsdp1/*.py", "minifsdp/fsdp2/*.py", "minifsdp/demos/*.py",
+        "tests/test_*.py", "tests/workers/*.py", "notebooks/*.ipynb") for p in ROOT.glob(pattern)]
     assert sorted(set(files) - set(_indexed())) == [], "add them to minifsdp/chapters.py"
 
 
@@ -36,6 +36,16 @@ def test_the_labs_are_the_chapters_labs_and_each_has_its_files_and_readme_row():
         assert (ROOT / get_lab(lab_id).skeleton).is_file()
         assert (ROOT / "minifsdp" / "labs" / f"ch{lab_id}.py").is_file()
         assert re.search(rf"^\| {lab_id} \|", readme, re.M), f"labs/README.md: no row for {lab_id}"
+
+
+def test_every_chapter_with_exercise_checkers_has_its_exercise_tests():
+    """minifsdp/labs/chNN.py's checkers are tested in tests/test_exercises_NN.py, which holds a
+    solution for each of them (its test_every_checker_has_solutions_here)."""
+    with_checkers = [p.stem[2:] for p in sorted((ROOT / "minifsdp" / "labs").glob("ch*.py"))
+                     if re.search(r"^def check_", p.read_text(), re.M)]
+    assert len(with_checkers) == len(CHAPTERS)  # every chapter has exercises today
+    assert [c for c in with_checkers
+            if f"tests/test_exercises_{c}.py" not in CHAPTERS[c].tests] == []
 
 
 def test_the_readme_names_every_chapter_notebook():

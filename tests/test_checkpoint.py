@@ -219,6 +219,10 @@ def test_find_checkpoint_errors(tmp_path):
     (tmp_path / "latest").write_text("step_000005\n")
     with pytest.raises(CheckpointError, match="names 'step_000005', which does not exist"):
         find_checkpoint(tmp_path)
+    (tmp_path / "step_000005.old").mkdir()  # a re-save of step 5 crashed between its renames
+    assert find_checkpoint(tmp_path) == tmp_path / "step_000005.old"
+    (tmp_path / "step_000005").mkdir()  # the normal case wins
+    assert find_checkpoint(tmp_path) == tmp_path / "step_000005"
 
 
 def test_unsupported_strategies_say_what_to_use(tmp_path, cpu_mesh):

@@ -1,4 +1,4 @@
-"""FSDP1 (``minifsdp.fsdp1``, ``minifsdp.flat_param``, ``minifsdp.wrap``): the same training as
+"""FSDP1 (``minifsdp.fsdp1``: fully_sharded.py, flat_param.py, wrap.py): the same training as
 one process and as torch's FSDP1, the collectives of each sharding strategy, and the memory of
 FULL_SHARD.
 
@@ -20,11 +20,11 @@ counts that N does not divide: the GPT's 30,592 (28,544 tied) at N = 3 and the C
 at N = 4 (worker); torch's 16-byte alignment pads units too (the worker's MLP).
 
 Exactness. Against torch FSDP1: bit for bit at every N, losses and parameters. We lay out the
-flat parameters as torch does (Note [alignment] in minifsdp/flat_param.py) and divide gradients
-as it does (Note [divide before and after] in minifsdp/fsdp1.py), so the same reduce-scatters
-add the same numbers in the same order. Against one process: bit for bit at N = 2 (Note
-[bitwise parity] in minifsdp/train.py); at N = 3, 4 the single process sums its N shard
-gradients in another order, so, as in test_zero.py, we require no more distance from it than
+flat parameters as torch does (Note [alignment] in minifsdp/fsdp1/flat_param.py) and divide
+gradients as it does (Note [divide before and after] in minifsdp/fsdp1/fully_sharded.py), so the
+same reduce-scatters add the same numbers in the same order. Against one process: bit for bit
+at N = 2 (Note [bitwise parity] in minifsdp/train.py); at N = 3, 4 the single process sums its
+N shard gradients in another order, so, as in test_zero.py, we require no more distance from it than
 twice torch FSDP1's own (which is then the same distance, since we equal torch). Measured
 (parameters after 3 steps, lr 1e-3): N = 3 GPT 8.5e-7 to 1.0e-6, tied GPT 4.0e-6, CNN 7.0e-6;
 N = 4 GPT 1.8e-7 to 4.2e-7, CNN 8.1e-6; losses equal or 1 ulp (4.8e-7) apart. A real bug (a
@@ -43,15 +43,16 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from minifsdp import fsdp1
-from minifsdp.flat_param import FlatParamHandle, flat_layout, registered_params
-from minifsdp.launch import RunResult
-from minifsdp.models import GPT, Block, GPTConfig, MnistCNN, build_model
-from minifsdp.wrap import (
+from minifsdp.fsdp1.flat_param import FlatParamHandle, flat_layout, registered_params
+from minifsdp.fsdp1.fully_sharded import _clean
+from minifsdp.fsdp1.wrap import (
     assign_owners,
     plan_units,
     size_based_auto_wrap_policy,
     transformer_auto_wrap_policy,
 )
+from minifsdp.launch import RunResult
+from minifsdp.models import GPT, Block, GPTConfig, MnistCNN, build_model
 
 PARALLEL = 2
 JOB_PREFIX = "fsdp1_"  # the launched fixture in conftest.py runs the jobs
@@ -395,7 +396,7 @@ def test_policies_pick_the_units_torch_picks(one_rank, kind, policy, units):
         return build_model(kind, **({} if kind == "cnn" else {"d_model": 32}))
 
     def wrapped(model, cls):
-        return sorted(fsdp1._clean(n) for n, m in model.named_modules() if isinstance(m, cls))
+        return sorted(_clean(n) for n, m in model.named_modules() if isinstance(m, cls))
 
     assert [n for n, _ in plan_units(make(), policy)] == units
     ours = fsdp1.FSDP(make(), auto_wrap_policy=policy)

@@ -1,8 +1,9 @@
-"""FSDP1's knobs (``minifsdp.fsdp1_options``, ``minifsdp.fsdp1_grads``): mixed precision,
+"""FSDP1's knobs (``minifsdp.fsdp1.options``, ``minifsdp.fsdp1.grads``): mixed precision,
 backward and forward prefetch, ``no_sync``, ``clip_grad_norm_`` and frozen parameters inside a
 unit, each against torch FSDP1 (``use_orig_params=True``, ``device_id`` the CPU) bit for bit.
 
-Launches (the module fixture ``launched`` starts them, ``PARALLEL`` at a time):
+Launches (each test declares the ones it reads; the module fixture ``launched`` starts them,
+``PARALLEL`` at a time):
 
 * ``tests/workers/fsdp1_knobs_worker.py`` at N = 2 and 3 runs 18 configurations of a 4-unit
   MLP whose units all pad differently (33 -> 48 -> 37 -> 24 -> 10, each block with a LayerNorm
@@ -32,11 +33,11 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn as nn
+from jobs import Job
 
 from minifsdp import fsdp1
 
 PARALLEL = 2
-JOB_PREFIX = "fsdp1_knobs_"  # the launched fixture in conftest.py runs the jobs
 WORKER = str(Path(__file__).parent / "workers" / "fsdp1_knobs_worker.py")
 WORLDS = (2, 3)
 UNITS = ["(root)", "blocks.0", "blocks.1", "blocks.2"]
@@ -52,22 +53,17 @@ FSDP1_FLAGS = ("--auto-wrap", "transformer", "--param-dtype", "bf16", "--reduce-
 TRAIN = {"fsdp1": FSDP1_FLAGS, "torch_fsdp1": FSDP1_FLAGS, "fsdp2": (), "torch_fsdp2": ()}
 
 
-def job(key) -> tuple[str, int, tuple]:
-    if key[0] == "worker":
-        return WORKER, key[1], ()
-    return "minifsdp.train", 2, ("--strategy", key[1], *TRAIN_ARGS, *TRAIN[key[1]])
-
-
-def jobs_of(item: pytest.Item) -> list:
-    p = item.callspec.params if hasattr(item, "callspec") else {}
-    if "pair" in p:
-        return [("train", s) for s in p["pair"]]
-    return [("worker", p["n"])] if "n" in p else []
+# the jobs (tests/jobs.py), run in runs/tests/fsdp1_knobs_worker_2, ..._train_fsdp1, ...
+WORKERS = {n: Job(f"worker_{n}", WORKER, n) for n in WORLDS}
+TRAIN_JOBS = {s: Job(f"train_{s}", "minifsdp.train", 2, ("--strategy", s, *TRAIN_ARGS, *flags))
+              for s, flags in TRAIN.items()}
+# the tests parametrized by N read that N's worker
+BY_WORLD = [pytest.param(n, marks=pytest.mark.launches(WORKERS[n])) for n in WORLDS]
 
 
 def cases(launched, n: int, prefix: str) -> list[tuple[str, dict]]:
     """``("<case> (rank r)", results)`` of the cases whose name starts with ``prefix``."""
-    ranks = launched["worker", n].result().ranks
+    ranks = launched[WORKERS[n]].result().ranks
     assert [r["world_size"] for r in ranks] == [n] * n
     out = [(f"{name} (rank {r['rank']})", c) for r in ranks
            for name, c in r["cases"].items() if name.startswith(prefix)]
@@ -89,7 +85,7 @@ def ops(events: list, what: str) -> list:
     return [u for op, u in events if op == what]
 
 
-@pytest.mark.parametrize("n", WORLDS)
+@pytest.mark.parametrize("n", BY_WORLD)
 def test_mixed_precision_bit_for_bit_with_torch_fsdp1(launched, n):
     for name, c in cases(launched, n, "mp_"):
         assert_torch_bitwise(name, c)
@@ -97,7 +93,7 @@ def test_mixed_precision_bit_for_bit_with_torch_fsdp1(launched, n):
         assert c["state_dict_dtypes"] == ["torch.float32"], name  # fp32 shards, buffers back
 
 
-@pytest.mark.parametrize("n", WORLDS)
+@pytest.mark.parametrize("n", BY_WORLD)
 def test_mixed_precision_halves_what_it_should(launched, n):
     """bf16 all-gathers (and a bf16 reduce) move half fp32's bytes; an fp32 reduce the same;
     the peak drops (unsharded parameters and gradients in bf16; shards, their gradients and
@@ -112,7 +108,7 @@ def test_mixed_precision_halves_what_it_should(launched, n):
         assert mp["peaks"][1] < fp32["peaks"][1]
 
 
-@pytest.mark.parametrize("n", WORLDS)
+@pytest.mark.parametrize("n", BY_WORLD)
 def test_prefetch_issues_torchs_collectives_in_torchs_order(launched, n):
     got = dict(cases(launched, n, "prefetch_"))
     for name, c in got.items():
@@ -135,7 +131,7 @@ def test_prefetch_issues_torchs_collectives_in_torchs_order(launched, n):
                           ["forward", "(root)"]]
 
 
-@pytest.mark.parametrize("n", WORLDS)
+@pytest.mark.parametrize("n", BY_WORLD)
 def test_prefetch_memory(launched, n):
     """A prefetch keeps one more unit unsharded: BACKWARD_PRE during a unit's backward,
     forward_prefetch during its forward. The bounds allow one unit's unsharded gradient more:
@@ -152,7 +148,7 @@ def test_prefetch_memory(launched, n):
         assert 0 < peak["forward"] - peak["none"] <= 2 * unit, (peak, unit)
 
 
-@pytest.mark.parametrize("n", WORLDS)
+@pytest.mark.parametrize("n", BY_WORLD)
 def test_no_sync_accumulates_then_reduces_once(launched, n):
     for name, c in cases(launched, n, "no_sync"):
         assert_torch_bitwise(name, c)
@@ -169,7 +165,7 @@ def test_no_sync_accumulates_then_reduces_once(launched, n):
         assert sync["peaks"][1] > one["peaks"][1]
 
 
-@pytest.mark.parametrize("n", WORLDS)
+@pytest.mark.parametrize("n", BY_WORLD)
 def test_clip_grad_norm_bit_for_bit_with_torch_and_close_to_one_process(launched, n):
     for name, c in cases(launched, n, "clip_"):
         assert_torch_bitwise(name, c)
@@ -184,11 +180,13 @@ def test_clip_grad_norm_bit_for_bit_with_torch_and_close_to_one_process(launched
     assert len({tuple(v) for v in norms.values()}) == 1  # the same total on every rank
 
 
-@pytest.mark.parametrize("pair", [("fsdp1", "torch_fsdp1"), ("fsdp2", "torch_fsdp2")])
+@pytest.mark.parametrize("pair", [
+    pytest.param(pair, marks=pytest.mark.launches(*(TRAIN_JOBS[s] for s in pair)))
+    for pair in [("fsdp1", "torch_fsdp1"), ("fsdp2", "torch_fsdp2")]])
 def test_train_clip_grad_norm_and_knob_flags_equal_torch(launched, pair):
     """train.py --clip-grad-norm (and for FSDP1 mixed precision, backward_pre and forward
     prefetch): losses and the norms before clipping equal torch's with the same flags."""
-    ours, theirs = (launched["train", s].result().ranks for s in pair)
+    ours, theirs = (launched[TRAIN_JOBS[s]].result().ranks for s in pair)
     for a, b in zip(ours, theirs):
         assert len(a["grad_norms"]) == 3 and a["grad_norms"] == b["grad_norms"], pair
         assert all(v > 0.5 for v in a["grad_norms"])  # clipping acted
@@ -215,7 +213,7 @@ def test_train_flags_refuse_what_does_not_apply(capsys):
     assert (args.forward_prefetch, args.backward_prefetch) == ("none", "implicit")
 
 
-@pytest.mark.parametrize("n", WORLDS)
+@pytest.mark.parametrize("n", BY_WORLD)
 def test_frozen_parameters_bit_for_bit_with_torch_fsdp1(launched, n):
     """Frozen parameters inside units (and a unit all frozen): trainable ones step as torch's,
     frozen ones never move, their gradient is zero, the clip norm leaves them out."""

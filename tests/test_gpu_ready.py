@@ -184,9 +184,10 @@ REVIEWED = {
     ("serial_collectives.py", 'if dist.get_backend(_resolve_process_group(name)) == "gloo":'):
         "the gloo-only serialization of compiled graphs (a torch 2.14 gloo bug); NCCL graphs "
         "run as planned",
-    ("flat_param.py", 'shard = shard.to("cpu", copy=True) if offload else shard.clone() if '
-                      'sharded else shard'): "CPUOffload: the shard lives in host memory",
-    ("fsdp1.py", 'return {_clean(k): v.detach().to("cpu", copy=True) for k, v in sd.items()}'):
+    ("fsdp1/flat_param.py", 'shard = shard.to("cpu", copy=True) if offload else shard.clone() '
+                            'if sharded else shard'): "CPUOffload: the shard lives in host memory",
+    ("fsdp1/fully_sharded.py", 'return {_clean(k): v.detach().to("cpu", copy=True) '
+                               'for k, v in sd.items()}'):
         "a full state dict is gathered to host memory, as torch's offload_to_cpu",
     ("fsdp2/mixed_precision.py", 'if device_type != "cpu" and backend != "gloo":  # NCCL (or '
                                  'another accelerator backend)'):
@@ -296,7 +297,7 @@ def test_ours_and_torchs_fsdp1_get_the_same_optimizer_kernels(monkeypatch):
     import torch.optim.optimizer as optimizer_module
     import torch.utils._foreach_utils as foreach_utils
 
-    from minifsdp.flat_param import FlatParameter
+    from minifsdp.fsdp1.flat_param import FlatParameter
     from minifsdp.train import make_optimizer, parse_args
 
     devices = lambda: ["cuda", "cpu"]

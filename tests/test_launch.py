@@ -5,7 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from minifsdp.launch import WorkerError, WorkerTimeout, torchrun
+from minifsdp.labs.report import last_exception
+from minifsdp.launch import WorkerError, WorkerTimeout, split_stack_dump, torchrun
 
 WORKER = str(Path(__file__).parent / "workers" / "faulty.py")
 
@@ -46,6 +47,21 @@ def test_rank_killed_by_a_signal_names_it_and_shows_the_survivors_error():
     # rank 0's own error, not the stack dump of its stop (which names no Python frame)
     assert "rank 0 then failed with" in msg and "Connection closed by peer" in msg
     assert "Garbage-collecting" not in msg
+
+
+def test_faulthandlers_dump_is_split_from_what_the_rank_printed():
+    own = ("[rank1]: terminate called after throwing an instance of 'gloo::EnforceNotMet'\n"
+           "[rank1]:   what():  Received data size doesn't match expected size\n")
+    fatal = ("[rank1]: Fatal Python error: Aborted\n[rank1]: \n"
+             "[rank1]: Current thread 0x00007f3a (most recent call first):\n"
+             '[rank1]:   File "lab02.py", line 7 in on_grad_ready\n')
+    stopped = 'Thread 0x00007f3b (most recent call first):\n  File "x.py", line 3 in wait\n'
+    assert split_stack_dump(own + fatal) == (own, fatal)
+    assert split_stack_dump("waiting\n" + stopped) == ("waiting\n", stopped)
+    assert split_stack_dump(own) == (own, "")
+    # the lab report (prefixes stripped): the abort's message, not faulthandler's last frame
+    text = (own + fatal).replace("[rank1]: ", "")
+    assert last_exception(text).strip() == "what():  Received data size doesn't match expected size"
 
 
 def test_rank_crashing_in_native_code_names_the_signal_and_the_python_frame():

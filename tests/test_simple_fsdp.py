@@ -14,9 +14,9 @@ SimpleFSDP bit for bit, with and without passes.
 from pathlib import Path
 
 import pytest
+from jobs import Job, fixture_of
 
 PARALLEL = 2
-JOB_PREFIX = "simple_fsdp_"
 WORKER = str(Path(__file__).parent / "workers" / "simple_fsdp_worker.py")
 BLOCK_PARAMS, GPT_PARAMS = 12, 29  # 2-block GPT, untied: 2 embeddings + 2 x 12 + ln_f (2) + head
 
@@ -26,30 +26,21 @@ ROUNDS, STEPS = 2, 4
 # the gloo jobs compile 3 models and lab 10's once a round: at N = 3 on a loaded 2-core machine
 # that passed 300 s once (killed mid-compile by the launcher's timeout, not an abort)
 LAUNCH_OPTIONS = {"timeout": 600}
+# the worker, and the gloo in-flight worker, at N = 2 and 3 (runs/tests/simple_fsdp_n2, ...)
+RUNS = {n: Job(f"n{n}", WORKER, n) for n in (2, 3)}
+GLOO_RUNS = {n: Job(f"g{n}", GLOO_WORKER, n, ("--rounds", ROUNDS, "--steps", STEPS))
+             for n in (2, 3)}
 
 
-def job(key: str):
-    """``"n2"`` -> the worker at N = 2; ``"g2"`` -> the gloo in-flight worker at N = 2."""
-    if key.startswith("g"):
-        return GLOO_WORKER, int(key[1:]), ("--rounds", ROUNDS, "--steps", STEPS)
-    return WORKER, int(key[1:]), ()
-
-
-def jobs_of(item):
-    if "gloo_runs" in item.fixturenames:
-        return ["g2", "g3"]
-    return ["n2", "n3"] if "runs" in item.fixturenames else []
-
-
-@pytest.fixture(scope="module")
+@fixture_of(*RUNS.values())
 def runs(launched):
-    return {n: launched[f"n{n}"].result().ranks for n in (2, 3)}
+    return {n: launched[job].result().ranks for n, job in RUNS.items()}
 
 
-@pytest.fixture(scope="module")
+@fixture_of(*GLOO_RUNS.values())
 def gloo_runs(launched):
     """Every rank's results: the job ended normally (an abort raises here), N = 2 and 3."""
-    return {n: launched[f"g{n}"].result().ranks for n in (2, 3)}
+    return {n: launched[job].result().ranks for n, job in GLOO_RUNS.items()}
 
 
 def counts(run, name):

@@ -14,7 +14,8 @@ the same batches in every configuration:
   recomputation re-runs the Block's FSDP hooks: Note [recomputed in backward]);
 - ``torch plain``, ``torch ac``, ``torch wrapper``: torch's ``fully_shard``, the oracle;
 - ``fsdp1 plain``, ``fsdp1 ac``: our FSDP1, a unit per Block, the regions checkpointed inside
-  the units (a whole unit it refuses: ``FullyShardedDataParallel.forward`` in fsdp1.py).
+  the units (a whole unit it refuses: ``FullyShardedDataParallel.forward`` in
+  fsdp1/fully_sharded.py).
 
 Per configuration and rank: the losses; ``bitwise``: every full parameter after the last step
 ``torch.equal`` to ``ours plain raf``'s; ``counts``: the ops of step 2 by phase (all-gathers,

@@ -38,14 +38,13 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.fsdp import BackwardPrefetch as TorchBP
 from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
 from torch.distributed.fsdp import MixedPrecision as TorchMP
-from torch.distributed.fsdp import _flat_param as torch_flat_param
-from torch.distributed.fsdp import _runtime_utils as torch_runtime
 from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
 
-from minifsdp import comm, fsdp1, fsdp2
+from minifsdp import comm, fsdp1, fsdp2, torch_order
 from minifsdp.dist import dist_setup, finish
 from minifsdp.memory import MemoryTracker
 from minifsdp.models import GPT, Block, GPTConfig
+from minifsdp.torch_order import SHORT
 from minifsdp.train import loss_fn, use_foreach
 
 CFG = GPTConfig(vocab_size=256, seq_len=32, n_layer=4, n_head=4, d_model=128)
@@ -122,53 +121,43 @@ def batch(step: int, rank: int | None, device: torch.device) -> torch.Tensor:
 
 
 class Events:
-    """Collectives and unit forwards in the order they happen, for ours and torch's FSDP1:
-    our comm wrappers and torch's ``_all_gather_flat_param`` / ``_reduce_grad`` are wrapped,
-    and every unit gets a forward pre-hook."""
+    """Collectives and unit forwards in the order they happen, for ours and torch's FSDP1: our
+    comm wrappers are wrapped, torch's recorded by ``minifsdp.torch_order``, and every unit
+    gets a forward pre-hook. ``recording()`` yields the list of events (a tuple each)."""
 
     def __init__(self) -> None:
-        self.log: list[tuple] | None = None  # None: not recording
-        self._torch_names: dict[int, str] = {}
+        self.torch = torch_order.Recorder("fsdp1")
         ag, rs = comm.all_gather_into_tensor, comm.reduce_scatter_tensor
         tag_of = lambda kw: kw.get("tag") or ""
 
         def ours_ag(*a, **kw):
-            self._add("AG", tag_of(kw).split()[0], tag_of(kw))
+            self.torch.mark("all_gather", tag_of(kw).split()[0], tag_of(kw))
             return ag(*a, **kw)
 
         def ours_rs(*a, **kw):
-            self._add("RS", tag_of(kw).split()[0], tag_of(kw))
+            self.torch.mark("reduce_scatter", tag_of(kw).split()[0], tag_of(kw))
             return rs(*a, **kw)
 
-        torch_ag, torch_rs = torch_flat_param.FlatParamHandle._all_gather_flat_param, \
-            torch_runtime._reduce_grad
-
-        def theirs_ag(handle, *a, **kw):
-            self._add("AG", self._torch_names[id(handle)])
-            return torch_ag(handle, *a, **kw)
-
-        def theirs_rs(state, handle):
-            self._add("RS", self._torch_names[id(handle)])
-            return torch_rs(state, handle)
-
         comm.all_gather_into_tensor, comm.reduce_scatter_tensor = ours_ag, ours_rs
-        torch_flat_param.FlatParamHandle._all_gather_flat_param = theirs_ag
-        torch_runtime._reduce_grad = theirs_rs
-
-    def _add(self, *event: str) -> None:
-        if self.log is not None:
-            self.log.append(event)
 
     def watch(self, model: nn.Module) -> None:
         """Name ``model``'s units as ours does (``(root)``, ``blocks.0``) and hook their
         forwards."""
+        if isinstance(model, TorchFSDP):
+            self.torch.watch(model)
         for name, m in model.named_modules():
             if isinstance(m, (fsdp1.FullyShardedDataParallel, TorchFSDP)):
-                unit = name.replace("_fsdp_wrapped_module.", "").replace(
-                    "_fsdp_wrapped_module", "").rstrip(".") or "(root)"
-                if isinstance(m, TorchFSDP) and m._handle is not None:
-                    self._torch_names[id(m._handle)] = unit
-                m.register_forward_pre_hook(lambda *_, u=unit: self._add("F", u))
+                unit = torch_order.fsdp1_unit_name(name)
+                m.register_forward_pre_hook(lambda *_, u=unit: self.torch.mark("forward", u))
+
+    @contextlib.contextmanager
+    def recording(self):
+        """``("AG" | "RS" | "F", unit)``, ours with their comm tag as a third element."""
+        events: list[tuple] = []
+        with self.torch.record() as recorded:
+            yield events
+        events += [(SHORT[e.op], e.group, e.tag) if e.tag else (SHORT[e.op], e.group)
+                   for e in recorded]
 
 
 def full_params(impl: str, model: nn.Module) -> dict[str, torch.Tensor]:
@@ -191,8 +180,8 @@ def run(impl: str, knobs: dict, info, events: Events) -> dict:
         x = batch(step, info.rank, info.device)
         tracker = MemoryTracker(model, opt, device=info.device) if last and impl != "torch" \
             else None
-        events.log = recorded = [] if last else None
-        with comm.logging_comm() as log, tracker or contextlib.nullcontext():
+        with comm.logging_comm() as log, tracker or contextlib.nullcontext(), \
+                events.recording() if last else contextlib.nullcontext() as recorded:
             if tracker is not None:
                 tracker.register(x, "activations")
             for i, xs in enumerate(x.chunk(micro)):
@@ -206,7 +195,6 @@ def run(impl: str, knobs: dict, info, events: Events) -> dict:
                 out["norm"] = float(model.clip_grad_norm_(MAX_NORM))
             opt.step()
             opt.zero_grad(set_to_none=True)
-        events.log = None
         out["losses"].append(float(loss) * micro)
         if last:
             out["events"] = recorded

@@ -21,6 +21,9 @@ same batches in every variant. Per rank it reports:
 - with ``--inductor``: a 2-layer MLP under ``backend="inductor"``: compile seconds, the largest
   loss difference with eager, and the most collectives in flight
   (``serial_collectives.InFlightGuard``), or the exception's type and first line.
+
+tests/workers/simple_fsdp_worker.py builds, feeds and compares its variants with the functions
+here (``build``, ``batch``, ``train``, ``full``, ``same``).
 """
 
 from __future__ import annotations
@@ -55,10 +58,17 @@ BF16 = {"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32}
 LOCAL = 2  # sequences per rank
 
 
-def build(kind: str, mesh, mp: bool = False):
-    """``torch``, ``ours``, ``ours_prefetch``, ``simple`` (reshard) or ``simple_keep``."""
+def gpt(cfg: GPTConfig = CFG) -> GPT:
+    """The same initial GPT on every rank and in every variant."""
     torch.manual_seed(0)
-    model = GPT(CFG)
+    return GPT(cfg)
+
+
+def build(kind: str, mesh, mp: bool = False, cfg: GPTConfig = CFG):
+    """``torch``, ``ours``, ``ours_prefetch``, ``simple`` (reshard) or ``simple_keep``: ``cfg``'s
+    GPT, each block and then the root sharded (SimpleFSDP: the whole model) over ``mesh``;
+    ``mp``: bf16 parameters, fp32 reduction."""
+    model = gpt(cfg)
     if kind.startswith("simple"):
         kw = {"mp_policy": fsdp2.MixedPrecisionPolicy(**BF16)} if mp else {}
         return data_parallel(model, mesh, reshard_after_forward=kind == "simple", **kw)
@@ -76,9 +86,10 @@ def build(kind: str, mesh, mp: bool = False):
     return model
 
 
-def batch(step: int, rank: int, n: int):
+def batch(step: int, rank: int, n: int, cfg: GPTConfig = CFG, local: int = LOCAL):
+    """Step ``step``'s global batch (``local`` sequences per rank), rank ``rank``'s share."""
     g = torch.Generator().manual_seed(step)
-    x = torch.randint(0, CFG.vocab_size, (n * LOCAL, CFG.seq_len + 1), generator=g)
+    x = torch.randint(0, cfg.vocab_size, (n * local, cfg.seq_len + 1), generator=g)
     return x[:, :-1].chunk(n)[rank], x[:, 1:].chunk(n)[rank]
 
 
@@ -97,12 +108,12 @@ class CountCollectives(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def train(model, rank, n, steps, count=False):
-    """``steps`` AdamW steps: losses, step seconds, collective counts of step 0."""
+def train(model, rank, n, steps, count=False, cfg: GPTConfig = CFG, local: int = LOCAL):
+    """``steps`` AdamW steps: losses, step seconds, collective counts of step 0 (if ``count``)."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     losses, times, counter = [], [], CountCollectives()
     for step in range(steps):
-        x, y = batch(step, rank, n)
+        x, y = batch(step, rank, n, cfg, local)
         t0 = time.perf_counter()
         with counter if count and step == 0 else contextlib.nullcontext():
             loss = F.cross_entropy(model(x).flatten(0, 1).float(), y.flatten())

@@ -37,7 +37,7 @@ Gradients mirror this: the reduce-scatter copy-in lays the bf16 gradients into a
 
 Memory per rank, Psi parameters, Adam: at rest 4 Psi/N (fp32 shards) + 8 Psi/N (Adam) and, from
 backward to ``zero_grad``, 4 Psi/N (fp32 grads): ZeRO's 16 Psi / N. ZeRO's mixed-precision
-16 Psi is 2 (bf16 params) + 2 (bf16 grads) + 12 (fp32 master copy, m, v); here the fp32
+16 Psi is 2 (fp16 params) + 2 (fp16 grads) + 12 (fp32 master copy, m, v) (bf16 alike); here the fp32
 sharded parameter *is* the master copy, so nothing is stored twice, and the bf16 copy exists
 only transiently, unsharded, for the groups being computed: their parameters, gradients and
 all-gather buffers at 2 bytes per element instead of 4 (and activations at half, too). The

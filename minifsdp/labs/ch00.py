@@ -2,7 +2,7 @@
 
 Each ``check_*`` takes the reader's function, runs it on cases whose answers come from the
 package's own implementation (or from a real run), prints one line (✓ or ✗ with the first
-failing case) and returns True/False. ``tests/test_exercises.py`` checks that every checker
+failing case) and returns True/False. ``tests/test_exercises_00.py`` checks that every checker
 accepts a correct solution and rejects a wrong one.
 """
 
@@ -45,7 +45,7 @@ def counted_ring_bytes(numel: int, element_size: int, world_size: int) -> int:
 def check_ring_bytes(fn) -> bool:
     """``fn(numel, element_size, world_size)`` -> bytes one rank sends in a ring all-reduce,
     padding included (see Note [ring bytes]). The answers are counted from the package's ring
-    (``counted_ring_bytes``); ``tests/test_exercises.py`` ties them to the Note's formula."""
+    (``counted_ring_bytes``); ``tests/test_exercises_00.py`` ties them to the Note's formula."""
     cases = [((n, e, w), counted_ring_bytes(n, e, w))
              for n, e, w in [(1000, 4, 4), (1000, 4, 2), (10_001, 4, 4), (7, 2, 3), (1, 4, 8),
                              (1_000_000, 2, 1), (1003, 8, 5)]]

@@ -2,7 +2,7 @@
 
 Each ``check_*`` takes the reader's function, runs it on cases whose answers come from the
 package's own implementation (or from a real run), prints one line (✓ or ✗ with the first
-failing case) and returns True/False. ``tests/test_exercises.py`` checks that every checker
+failing case) and returns True/False. ``tests/test_exercises_02.py`` checks that every checker
 accepts a correct solution and rejects a wrong one.
 """
 

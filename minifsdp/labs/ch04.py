@@ -2,7 +2,7 @@
 
 Each ``check_*`` takes the reader's function, runs it on cases whose answers come from the
 package's own implementation (or from a real run), prints one line (✓ or ✗ with the first
-failing case) and returns True/False. ``tests/test_exercises.py`` checks that every checker
+failing case) and returns True/False. ``tests/test_exercises_04.py`` checks that every checker
 accepts a correct solution and rejects a wrong one.
 """
 
@@ -18,8 +18,8 @@ from minifsdp.notebook import check
 def check_flat_layout(fn) -> bool:
     """``fn(numels, world_size, align)`` -> ``(offsets, padded_numel)``: each parameter starts
     at a multiple of ``align`` elements, the total is padded to a multiple of ``world_size``
-    (``minifsdp.flat_param.flat_layout``, Note [flat layout])."""
-    from minifsdp.flat_param import flat_layout
+    (``minifsdp.fsdp1.flat_param.flat_layout``, Note [flat layout])."""
+    from minifsdp.fsdp1.flat_param import flat_layout
 
     layouts = [([70, 7, 21, 3], 3, 4), ([70, 7, 21, 3], 1, 4), ([5], 4, 1), ([8, 8], 2, 4),
                ([1, 1, 1], 2, 4), ([288, 32, 18432, 64], 4, 4), ([3, 5, 7], 8, 2), ([0, 4], 2, 4)]
@@ -28,11 +28,11 @@ def check_flat_layout(fn) -> bool:
 
 def check_size_wrap(fn) -> bool:
     """``fn(model, min_num_params)`` -> names of the units that a size-based auto-wrap policy
-    picks, children before parents (``minifsdp.wrap.plan_units``, Note [policy contract]): a
+    picks, children before parents (``minifsdp.fsdp1.wrap.plan_units``, Note [policy contract]): a
     module becomes a unit when the elements of it that no unit below took are at least
     ``min_num_params``; a ``ModuleList``/``ModuleDict`` is never a unit, nor is the root."""
+    from minifsdp.fsdp1.wrap import plan_units, size_based_auto_wrap_policy
     from minifsdp.models import GPT, GPTConfig, MnistCNN
-    from minifsdp.wrap import plan_units, size_based_auto_wrap_policy
 
     nested = torch.nn.Sequential(torch.nn.Sequential(torch.nn.Linear(30, 30), torch.nn.ReLU(),
                                                      torch.nn.Linear(30, 2)),
@@ -109,7 +109,7 @@ def _no_shard_and_subgroup(t, info) -> None:
     import torch.distributed as dist
     from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
 
-    from minifsdp.flat_param import FlatParamHandle, registered_params
+    from minifsdp.fsdp1.flat_param import FlatParamHandle, registered_params
 
     n, r = info.world_size, info.rank
     torch.manual_seed(2)
@@ -281,10 +281,10 @@ LAB = Lab(
     id="04",
     title="the FlatParameter: flatten, pad, shard, view, free",
     skeleton="labs/lab04_flat_param.py",
-    seams=(Seam(LAYOUT, "minifsdp.flat_param", "flat_layout"),
-           Seam(SHARD, "minifsdp.flat_param", "rank_shard"),
-           Seam(VIEWS, "minifsdp.flat_param", "FlatParamHandle.unflatten"),
-           Seam(RESHARD, "minifsdp.flat_param", "FlatParamHandle.reshard")),
+    seams=(Seam(LAYOUT, "minifsdp.fsdp1.flat_param", "flat_layout"),
+           Seam(SHARD, "minifsdp.fsdp1.flat_param", "rank_shard"),
+           Seam(VIEWS, "minifsdp.fsdp1.flat_param", "FlatParamHandle.unflatten"),
+           Seam(RESHARD, "minifsdp.fsdp1.flat_param", "FlatParamHandle.reshard")),
     notes=("flat layout", "alignment", "views, not copies", "freeing storage"),
     run=run_lab,
     hint=hint,
@@ -295,7 +295,7 @@ LAB = Lab(
         "parts. Compute uses views into the gathered flat tensor, never copies, and freeing "
         "means shrinking the storage those views share. Read Note [flat layout], Note "
         "[alignment], Note [views, not copies], Note [freeing storage] and Note [two tensors, "
-        "one storage] in minifsdp/flat_param.py.",
+        "one storage] in minifsdp/fsdp1/flat_param.py.",
         "Layout: a running end position; before each parameter round it up to `align` (an "
         "element count); padded_numel rounds the final end up to a multiple of N. Shard: N "
         "equal, contiguous parts, part r for the `rank` you are given. Views: parameter i is "

@@ -2,14 +2,17 @@
 
 Each ``check_*`` takes the reader's function, runs it on cases whose answers come from the
 package's own implementation (or from a real run), prints one line (✓ or ✗ with the first
-failing case) and returns True/False. ``tests/test_exercises.py`` checks that every checker
+failing case) and returns True/False. ``tests/test_exercises_06.py`` checks that every checker
 accepts a correct solution and rejects a wrong one.
 """
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
+from minifsdp import torch_order
 from minifsdp.labs.seams import Lab, Seam
 from minifsdp.notebook import check
 
@@ -92,42 +95,6 @@ def check_exposed_ms(fn) -> bool:
 # ---- lab 06: the prefetch schedule ------------------------------------------------------------
 
 FWD, BWD = "prefetch.forward", "prefetch.backward"
-_EVENTS: list[list[str] | None] = [None]  # torch's events go here while a run records
-
-
-def _patch_torch() -> None:
-    """Record torch's all-gather issues and reduce-scatters as our comm log records ours (torch's
-    own test_fully_shard_training.py patches the same methods). Idempotent."""
-    import torch.distributed.fsdp._fully_shard._fsdp_param_group as pg
-
-    if getattr(pg, "_minifsdp_lab06", False):
-        return
-    pg._minifsdp_lab06 = True
-    unshard, post_backward, reduce = (pg.FSDPParamGroup.unshard, pg.FSDPParamGroup.post_backward,
-                                      pg.foreach_reduce)
-    reducing: list[str] = []
-
-    def _unshard(self, async_op=False):
-        issues = self._all_gather_result is None and not self.is_unsharded
-        out = unshard(self, async_op)
-        if issues and self._all_gather_result is not None and _EVENTS[0] is not None:
-            _EVENTS[0].append(f"AG {self._module_fqn or 'root'}")
-        return out
-
-    def _post_backward(self, *args):
-        reducing.append(self._module_fqn or "root")
-        try:
-            return post_backward(self, *args)
-        finally:
-            reducing.pop()
-
-    def _reduce(*args, **kwargs):
-        if _EVENTS[0] is not None:
-            _EVENTS[0].append(f"RS {reducing[-1]}")
-        return reduce(*args, **kwargs)
-
-    pg.FSDPParamGroup.unshard, pg.FSDPParamGroup.post_backward = _unshard, _post_backward
-    pg.foreach_reduce = _reduce
 
 
 class _Stack(torch.nn.Module):
@@ -186,10 +153,11 @@ def _train(impl: str, model_name: str, config: str, info, steps: int = 3) -> lis
                                     backward=config != "none")
     marks: list[tuple[int, str]] = []
     logs: list[comm.CommLog] = []
+    torch_events = torch_order.Recorder("fsdp2")  # records torch's while impl == "torch"
 
     def mark(name):
-        if _EVENTS[0] is not None:
-            _EVENTS[0].append(f"F {name}")
+        if torch_events.recording:
+            torch_events.mark("forward", name)
         elif logs:
             marks.append((len(logs[0].comms()), f"F {name}"))
 
@@ -213,8 +181,8 @@ def _train(impl: str, model_name: str, config: str, info, steps: int = 3) -> lis
             events = {}
             for phase in ("forward", "backward"):
                 marks.clear()
-                _EVENTS[0] = [] if impl == "torch" else None
-                with comm.logging_comm() as log:
+                with comm.logging_comm() as log, (torch_events.record() if impl == "torch"
+                                                  else contextlib.nullcontext()) as recorded:
                     logs[:] = [log]
                     if phase == "forward":
                         out_ = model(x)
@@ -223,13 +191,12 @@ def _train(impl: str, model_name: str, config: str, info, steps: int = 3) -> lis
                     else:
                         loss.backward()
                     logs.clear()
-                events[phase] = _EVENTS[0] if impl == "torch" else _ours(log, marks)
-                _EVENTS[0] = None
+                events[phase] = ([e.short for e in recorded if e.op != "wait"]
+                                 if impl == "torch" else _ours(log, marks))
             opt.step()
             opt.zero_grad()
             out.append(dict(loss=loss.detach(), **events))
     finally:
-        _EVENTS[0] = None
         if swap:
             prefetch.after_pre_forward, prefetch.after_pre_backward = saved
     out.append({k: v.full_tensor() if isinstance(v, DTensor) else v
@@ -252,7 +219,6 @@ def run_lab(t, info) -> None:
     """Lab 06's cases, on every rank: a 3-block GPT (uneven rows at N = 3) three steps per
     prefetch configuration, against torch's fully_shard or the package's reference; each step's
     collectives in forward and backward, its loss, and the final parameters."""
-    _patch_torch()
     cases = [("GPT, torch's default: implicit backward prefetch", "gpt", "default", "torch"),
              ("GPT, explicit lists one block ahead (forward and backward)", "gpt", "explicit",
               "torch"),

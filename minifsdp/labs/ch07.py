@@ -2,7 +2,7 @@
 
 Each ``check_*`` takes the reader's function, runs it on cases whose answers come from the
 package's own implementation (or from a real run), prints one line (✓ or ✗ with the first
-failing case) and returns True/False. ``tests/test_exercises.py`` checks that every checker
+failing case) and returns True/False. ``tests/test_exercises_07.py`` checks that every checker
 accepts a correct solution and rejects a wrong one.
 """
 
@@ -170,21 +170,30 @@ LAB = Lab(
     hint=hint,
     oracle="torch's fully_shard with the same MixedPrecisionPolicy (and the package's copy-in)",
     hints=(
-        'Mixed precision changes dtypes at exactly three places: the copy into the all-gather'
-        ' buffer (the cast to param_dtype, so the wire carries it), the choice of the reduce '
-        "dtype, and the way back from the reduced slot to each fp32 shard's .grad. Read Note "
-        '[mixed precision] and Note [copy-in and copy-out].',
-        'The buffer holds N slots of S padded elements each, rank-major; your slot is the '
-        'view [rank * S, (rank + 1) * S). copy_() casts as it copies, so no separate cast is '
-        "needed. The reduce dtype is the policy's reduce_dtype, else param_dtype, else the "
-        "gradients' own; all gradients must agree before they share one buffer. A sharded "
-        "parameter's .grad is fp32 (the master weights' dtype) with the shard's shape, "
-        'padding rows dropped.',
-        "copy-in: gathered = empty(N * S, param_dtype) tagged 'comm'; slot = "
-        'gathered[r*S:(r+1)*S]; for each input: '
-        'slot[offset:offset+numel].copy_(input.flatten()). reduce dtype: dtypes.reduce or '
-        'dtypes.param or grads[0].dtype. to shards: for each param: rows of out at its '
-        "offset, viewed as the shard's shape, .to(param dtype) if needed, then assign or "
-        'accumulate into .grad.',
+        "Mixed precision changes dtypes at exactly three places: the copy into the all-gather"
+        " buffer (the cast to param_dtype happens there, before the wire, so the all-gather "
+        "carries 2 bytes an element), the choice of the reduce dtype, and the way back from "
+        "the reduced slot to each fp32 shard's .grad (the optimizer steps the fp32 master "
+        "weights). Read Note [mixed precision], Note [copy-in and copy-out] and Note "
+        "[accumulating in the reduce dtype].",
+        "Copy-in: the buffer holds N slots of S elements, rank-major; your slot is a view of "
+        "it, and each input has its own range of the slot, one after the other. copy_() "
+        "casts as it copies, so copying an fp32 input into a range of a bf16 buffer is the "
+        "whole cast: no separate cast, no temporary. Reduce dtype: the group's own "
+        "(dtypes.reduce), else the gradients'; only when they arrive in two dtypes are they "
+        "replaced, in the same list (a slice assignment keeps the list object). To shards: "
+        "cast the whole slot once, if its dtype is not dtypes.orig, and free the low-"
+        "precision one's storage at once; then walk the parameters with a running offset that"
+        " advances by padded_shard_numel while you keep only sharded_numel elements.",
+        "copy-in: S = sum of the inputs' numels; gathered = inputs[0].new_empty(N * S, "
+        "dtype=group.dtypes.gather); tag it ('comm', label 'all-gather buffers'); my_slot = "
+        "gathered[r * S:(r + 1) * S]; o = 0; per input x: my_slot[o:o + x.numel()].copy_(x); "
+        "o += x.numel(); return (my_slot, gathered). reduce dtype: d = dtypes.reduce, or "
+        "grads[0].dtype when that is None; if the gradients' dtypes form a set of two: "
+        "grads[:] = copies .to(d); return d. to shards: if out's dtype differs from orig: "
+        "low = out; out = low.to(orig); tag(out, 'grads'); resize low's untyped storage to 0."
+        " Then o = 0; per p: rows = out[o:o + p.sharded_numel].view(p.sharded_size); o += "
+        "p.padded_shard_numel; no .grad yet: .grad = p.to_sharded_dtensor(rows); else add "
+        "rows into .grad._local_tensor.",
     ),
 )

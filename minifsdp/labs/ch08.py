@@ -2,7 +2,7 @@
 
 Each ``check_*`` takes the reader's function, runs it on cases whose answers come from the
 package's own implementation (or from a real run), prints one line (✓ or ✗ with the first
-failing case) and returns True/False. ``tests/test_exercises.py`` checks that every checker
+failing case) and returns True/False. ``tests/test_exercises_08.py`` checks that every checker
 accepts a correct solution and rejects a wrong one.
 """
 
@@ -274,9 +274,11 @@ LAB = Lab(
         'planner already reshards like this; the lab builds the rule it follows.)',
         'This rank owns the rows [lo, hi) that torch.chunk gives it over d0 rows at '
         'world_size: ceil(d0 / world_size) rows a chunk, the last ones shorter or empty. Each'
-        ' saved chunk is a half-open row range (a, b); the answer lists, in row order, the '
-        'non-empty intersections.',
+        ' saved chunk is a half-open row range (a, b), known by its index in saved; the answer'
+        ' lists the non-empty intersections of [lo, hi) with those ranges, each with its '
+        "chunk's index, sorted by row (saved may list its chunks in any order).",
         'per = ceil(d0 / world_size); lo = min(rank * per, d0); hi = min(lo + per, d0); for '
-        '(a, b) in saved: s, e = max(lo, a), min(hi, b); if s < e: keep (s, e).',
+        'each index i of saved, taken in the order of the chunks\' starts: (a, b) = saved[i];'
+        ' s, e = max(lo, a), min(hi, b); if s < e: keep (i, s, e). Return what you kept.',
     ),
 )

@@ -33,6 +33,7 @@ import torch
 
 from minifsdp import parity
 from minifsdp.labs import heartbeat, seams
+from minifsdp.launch import split_stack_dump
 from minifsdp.parity import bits
 
 # ---- inside a worker: the trace ---------------------------------------------------------------
@@ -240,12 +241,13 @@ def frames_in(text: str, file_name: str) -> list[tuple[str, int, str]]:
 def last_exception(text: str) -> str:
     """The last ``SomeError: message`` line of a traceback; without one (a native abort, e.g.
     gloo's "Received data size doesn't match"), the last line the process printed before
-    faulthandler's dump of a fatal signal ("Fatal Python error: ..." and the stacks after it)."""
+    faulthandler's dump (``minifsdp.launch.split_stack_dump``: "Fatal Python error: ..." and
+    the stacks after it)."""
     lines = [ln.strip() for ln in text.splitlines()
              if re.match(r"^\s*[\w.]+(Error|Exception|Interrupt|Timeout)\b.*", ln)]
     if lines:
         return lines[-1]
-    own = re.split(r"(?m)^Fatal Python error: ", text)[0]
+    own = split_stack_dump(text)[0]
     return (own.strip().splitlines() or text.strip().splitlines() or ["(no message)"])[-1]
 
 

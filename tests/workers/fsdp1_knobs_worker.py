@@ -21,9 +21,9 @@ import torch.nn.functional as F
 from torch.distributed.fsdp import BackwardPrefetch as TorchBackwardPrefetch
 from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
 from torch.distributed.fsdp import MixedPrecision as TorchMixedPrecision
-from torch.distributed.fsdp import ShardingStrategy, _flat_param, _runtime_utils, wrap
+from torch.distributed.fsdp import ShardingStrategy, wrap
 
-from minifsdp import comm, fsdp1
+from minifsdp import comm, fsdp1, torch_order
 from minifsdp.dist import dist_setup, finish
 from minifsdp.memory import MemoryTracker
 
@@ -84,33 +84,9 @@ CASES = {
 TRACKED = ("prefetch_none", "prefetch_backward_pre", "prefetch_backward_post",
            "prefetch_forward", "no_sync", "mp_bf16_fp32_reduce", "mp_bf16")
 
-EVENTS: list[tuple[str, str]] = []  # (what, unit): "all_gather", "reduce_scatter", "forward"
-TORCH_NAMES: dict[int, str] = {}  # id(torch FlatParamHandle) -> unit name
-
-
-def _record_torch() -> None:
-    """Wrap torch FSDP1's all-gather and reduce-scatter (looked up at call time) to record
-    which unit each belongs to."""
-    gather = _flat_param.FlatParamHandle._all_gather_flat_param
-    reduce = _runtime_utils._reduce_grad
-
-    def all_gather(handle, *args, **kwargs):
-        EVENTS.append(("all_gather", TORCH_NAMES.get(id(handle), "?")))
-        return gather(handle, *args, **kwargs)
-
-    def reduce_grad(state, handle):
-        EVENTS.append(("reduce_scatter", TORCH_NAMES.get(id(handle), "?")))
-        return reduce(state, handle)
-
-    reduce_no_shard = _runtime_utils._reduce_grad_no_shard
-
-    def all_reduce(state, handle):
-        EVENTS.append(("all_reduce", TORCH_NAMES.get(id(handle), "?")))
-        return reduce_no_shard(state, handle)
-
-    _flat_param.FlatParamHandle._all_gather_flat_param = all_gather
-    _runtime_utils._reduce_grad = reduce_grad
-    _runtime_utils._reduce_grad_no_shard = all_reduce
+# torch's collectives (minifsdp.torch_order) and, on the same timeline, ours and every unit's
+# forward start: (what, unit) with what "all_gather", "reduce_scatter", "all_reduce", "forward"
+TORCH = torch_order.Recorder("fsdp1")
 
 
 def _record_ours() -> None:
@@ -121,19 +97,13 @@ def _record_ours() -> None:
 
         def wrapped(*args, _fn=fn, _name=name, **kwargs):
             if kwargs.get("tag"):
-                EVENTS.append((_name, kwargs["tag"].split(" ")[0]))
+                TORCH.mark(_name, kwargs["tag"].split(" ")[0])
             return _fn(*args, **kwargs)
 
         setattr(comm, op, wrapped)
 
 
-_record_torch()
 _record_ours()
-
-
-def clean(name: str) -> str:
-    return name.replace("_fsdp_wrapped_module.", "").replace("_fsdp_wrapped_module", "") or \
-        "(root)"
 
 
 def batch(step: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -155,7 +125,7 @@ def units_of(model: nn.Module, ours: bool) -> dict[str, torch.Tensor]:
     """unit name -> its FlatParameter (this rank's shard)."""
     if ours:
         return {u._name: u.flat_param for u in model._units if u._handle is not None}
-    return {clean(n): m._handle.flat_param for n, m in model.named_modules()
+    return {torch_order.fsdp1_unit_name(n): m._handle.flat_param for n, m in model.named_modules()
             if isinstance(m, TorchFSDP) and m._handle is not None}
 
 
@@ -211,9 +181,7 @@ def wrap_pair(case: dict) -> tuple[nn.Module, nn.Module, nn.Module]:
         mixed_precision=TorchMixedPrecision(*mp) if mp else None,
         backward_prefetch=TorchBackwardPrefetch[bp.upper()] if bp else None,
         forward_prefetch=case.get("fp", False))
-    TORCH_NAMES.clear()
-    TORCH_NAMES.update({id(m._handle): clean(n) for n, m in theirs.named_modules()
-                        if isinstance(m, TorchFSDP) and m._handle is not None})
+    TORCH.watch(theirs)
     return base, ours, theirs
 
 
@@ -221,41 +189,41 @@ def mark_forwards(model: nn.Module, ours: bool) -> None:
     """Record the start of each unit's own computation (after its pre-forward logic)."""
     for n, m in model.named_modules():
         if isinstance(m, (fsdp1.FullyShardedDataParallel, TorchFSDP)):
-            name = m._name if ours else clean(n)
+            name = m._name if ours else torch_order.fsdp1_unit_name(n)
             inner = getattr(m, fsdp1.WRAPPED)
             inner.register_forward_pre_hook(
-                lambda *_, _n=name: EVENTS.append(("forward", _n)))
+                lambda *_, _n=name: TORCH.mark("forward", _n))
 
 
 def train(model: nn.Module, opt, case: dict, ours: bool, tracker_steps: bool = False) -> dict:
     losses, grads, params, norms, events, peaks = [], [], [], [], [], []
     clip = case.get("clip")
     for step in range(STEPS):
-        EVENTS.clear()
-        tracker = MemoryTracker(model, opt) if tracker_steps else None
-        if tracker is not None:
-            tracker.__enter__()
-        micro = 2 if case.get("no_sync") else 1
-        parts = []
-        for k in range(micro):
-            x, y = batch(step, k)
-            ctx = model.no_sync() if k < micro - 1 else _nothing()
-            with ctx:
-                loss = F.cross_entropy(model(x), y)
-                loss.backward()
-            parts.append(global_mean(loss))
-        losses.append(parts)
-        if clip is not None:
-            norms.append(float(model.clip_grad_norm_(*clip)))
-        grads.append({n: p.grad.detach().clone() if p.grad is not None else None
-                      for n, p in units_of(model, ours).items()})
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        if tracker is not None:
-            tracker.__exit__(None, None, None)
-            peaks.append(tracker.peak)
-        params.append({n: p.detach().clone() for n, p in units_of(model, ours).items()})
-        events.append(list(EVENTS))
+        with TORCH.record() as recorded:
+            tracker = MemoryTracker(model, opt) if tracker_steps else None
+            if tracker is not None:
+                tracker.__enter__()
+            micro = 2 if case.get("no_sync") else 1
+            parts = []
+            for k in range(micro):
+                x, y = batch(step, k)
+                ctx = model.no_sync() if k < micro - 1 else _nothing()
+                with ctx:
+                    loss = F.cross_entropy(model(x), y)
+                    loss.backward()
+                parts.append(global_mean(loss))
+            losses.append(parts)
+            if clip is not None:
+                norms.append(float(model.clip_grad_norm_(*clip)))
+            grads.append({n: p.grad.detach().clone() if p.grad is not None else None
+                          for n, p in units_of(model, ours).items()})
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            if tracker is not None:
+                tracker.__exit__(None, None, None)
+                peaks.append(tracker.peak)
+            params.append({n: p.detach().clone() for n, p in units_of(model, ours).items()})
+        events.append([(e.op, e.group) for e in recorded])
     return dict(losses=losses, grads=grads, params=params, norms=norms, events=events,
                 peaks=peaks)
 

@@ -6,9 +6,8 @@
   and torch with the same explicit lists). The last step's events, in time order:
   ``AG g`` (an all-gather of group g issued), ``W g`` (waited for: the copy-out follows),
   ``RS g`` (reduce-scatter), ``F g`` (g's forward starts, after FSDP's pre-forward hook).
-  Ours come from the comm log (issue = ``t_start``, wait = ``t_end``); torch's from patching
-  its ``FSDPParamGroup.unshard`` / ``wait_for_unshard`` / ``foreach_reduce``, as torch's own
-  ``test_fully_shard_training.py`` does.
+  Ours come from the comm log (issue = ``t_start``, wait = ``t_end``); torch's from
+  ``minifsdp.torch_order`` (Note [recording torch's collective order]).
 * parity: every configuration's losses and final parameters, against torch's default.
 * memory: a stack of 4 Linear(256, 256) units under a parameter-less root, one
   forward/backward under ``MemoryTracker`` per configuration, and every moment at which a
@@ -16,18 +15,17 @@
 """
 
 import argparse
+import contextlib
 import sys
-import time
 
 import torch
-import torch.distributed.fsdp._fully_shard._fsdp_param_group as torch_pg
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.tensor import DTensor
 
-from minifsdp import comm, fsdp2
+from minifsdp import comm, fsdp2, torch_order
 from minifsdp.dist import dist_setup, finish
 from minifsdp.fsdp2.fsdp_param_group import FSDPParamGroup, ShardedState
 from minifsdp.memory import MemoryTracker
@@ -46,60 +44,7 @@ CONFIGS = {  # name: (implementation, --forward-prefetch, --backward-prefetch)
     "torch": ("torch", "none", "implicit"),
     "torch_explicit": ("torch", "explicit", "explicit"),
 }
-EVENTS: list[tuple[float, str]] = []  # (perf_counter, "AG blocks.0"), while RECORDING
-RECORDING = False
-
-
-def mark(kind: str, name: str, t: float | None = None) -> None:
-    if RECORDING:
-        EVENTS.append((time.perf_counter() if t is None else t, f"{kind} {name}"))
-
-
-# ---- torch's events: patch its group (records only while RECORDING) -------------------------
-
-def _fqn(group) -> str:
-    return group._module_fqn or "root"
-
-
-_torch_unshard = torch_pg.FSDPParamGroup.unshard
-_torch_wait = torch_pg.FSDPParamGroup.wait_for_unshard
-_torch_post_backward = torch_pg.FSDPParamGroup.post_backward
-_torch_reduce = torch_pg.foreach_reduce
-_REDUCING: list[str] = []
-
-
-def _unshard(self, async_op=False):
-    issues = self._all_gather_result is None and not self.is_unsharded
-    t = time.perf_counter()
-    out = _torch_unshard(self, async_op)
-    if issues and self._all_gather_result is not None:
-        mark("AG", _fqn(self), t)
-    return out
-
-
-def _wait(self):
-    if self._all_gather_result is not None:
-        mark("W", _fqn(self))
-    return _torch_wait(self)
-
-
-def _post_backward(self, *args):
-    _REDUCING.append(_fqn(self))
-    try:
-        return _torch_post_backward(self, *args)
-    finally:
-        _REDUCING.pop()
-
-
-def _reduce(*args, **kwargs):
-    mark("RS", _REDUCING[-1])
-    return _torch_reduce(*args, **kwargs)
-
-
-torch_pg.FSDPParamGroup.unshard = _unshard
-torch_pg.FSDPParamGroup.wait_for_unshard = _wait
-torch_pg.FSDPParamGroup.post_backward = _post_backward
-torch_pg.foreach_reduce = _reduce
+TORCH = torch_order.Recorder("fsdp2")  # torch's events, and every run's forward starts
 
 
 # ---- order and parity ------------------------------------------------------------------------
@@ -115,7 +60,7 @@ def gpt(impl: str, forward: str, backward: str) -> GPT:
     set_prefetch(model, argparse.Namespace(forward_prefetch=forward, backward_prefetch=backward))
     # after fully_shard, so each runs after FSDP's own (prepended) pre-forward hook
     for name, m in [("root", model), *((f"blocks.{i}", b) for i, b in enumerate(model.blocks))]:
-        m.register_forward_pre_hook(lambda *_, name=name: mark("F", name))
+        m.register_forward_pre_hook(lambda *_, name=name: TORCH.mark("forward", name))
     return model
 
 
@@ -132,7 +77,6 @@ def comm_events(log: comm.CommLog) -> list[tuple[float, str]]:
 
 
 def train(impl: str, forward: str, backward: str) -> dict:
-    global RECORDING
     model = gpt(impl, forward, backward)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     losses = []
@@ -140,16 +84,15 @@ def train(impl: str, forward: str, backward: str) -> dict:
         g = torch.Generator().manual_seed(step)
         x, y = (torch.randint(0, 64, (N * LOCAL, 16), generator=g).chunk(N)[rank].to(info.device)
                 for _ in range(2))
-        EVENTS.clear()
-        RECORDING = step == STEPS - 1
-        with comm.logging_comm() as log:
+        last = step == STEPS - 1
+        with comm.logging_comm() as log, (TORCH.record() if last
+                                          else contextlib.nullcontext()) as recorded:
             loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
             loss.backward()
-        RECORDING = False
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
-    events = EVENTS + (comm_events(log) if impl == "ours" else [])
+    events = [(e.t, e.short) for e in recorded] + (comm_events(log) if impl == "ours" else [])
     full = {k: v.full_tensor() if isinstance(v, DTensor) else v
             for k, v in model.state_dict().items()}
     prefetched = [  # async all-gathers of the last step: (tag, issue, done, wait) in ms

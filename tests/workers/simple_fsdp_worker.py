@@ -6,10 +6,12 @@ is compared with torch's ``fully_shard`` (each block, then the root) on the same
 losses and full parameters, bit for bit. Compiled runs (``graph_passes.backend``, each set of
 passes) are compared with eager SimpleFSDP and report their graphs' collectives. With
 ``--measure``: step time and peak memory per variant (a bigger GPT; printed, not asserted).
+The variants are built, fed, trained and compared by chapter 10's demo
+(``minifsdp.demos.simple_fsdp``), so that the test checks the code whose numbers the notebook
+prints.
 """
 
 import argparse
-import contextlib
 import copy
 import statistics
 import time
@@ -17,16 +19,15 @@ import time
 import torch
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMP
-from torch.distributed.fsdp import fully_shard as torch_fully_shard
-from torch.utils._python_dispatch import TorchDispatchMode
 
-from minifsdp import comm, fsdp2
+from minifsdp import comm
 from minifsdp import graph_passes as gp
+from minifsdp.demos import simple_fsdp as demo
+from minifsdp.demos.simple_fsdp import PASSES, full, gpt, same
 from minifsdp.dist import dist_setup, finish
 from minifsdp.memory import MemoryTracker
-from minifsdp.models import GPT, GPTConfig
-from minifsdp.simple_fsdp import data_parallel, param_name
+from minifsdp.models import GPTConfig
+from minifsdp.simple_fsdp import data_parallel
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--measure", action="store_true")
@@ -34,78 +35,20 @@ args = parser.parse_args()
 info = dist_setup()
 rank, N = info.rank, info.world_size
 mesh = init_device_mesh("cpu", (N,))
-STEPS, LOCAL = 3, 2
-CFG = GPTConfig(vocab_size=64, seq_len=16, n_layer=2, n_head=4, d_model=32)
-BF16 = {"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32}
-PASSES = {"none": (), "bucket": (gp.bucket_all_gathers,),
-          "both": (gp.bucket_all_gathers, gp.prefetch_all_gathers)}
+STEPS = 3
 
 
-def gpt(cfg=CFG) -> GPT:
-    torch.manual_seed(0)
-    return GPT(cfg)
+# chapter 10's demo builds, feeds and trains the variants: here on this rank, this mesh
+def build(kind: str, mp: bool = False, cfg=demo.CFG):
+    return demo.build(kind, mesh, mp, cfg)
 
 
-def fsdp(model, fully_shard, **kw):
-    for block in model.blocks:
-        fully_shard(block, mesh=mesh, **kw)
-    return fully_shard(model, mesh=mesh, **kw)
+def batch(step: int, cfg=demo.CFG, local=demo.LOCAL):
+    return demo.batch(step, rank, N, cfg, local)
 
 
-def build(kind: str, mp: bool = False, cfg=CFG):
-    if kind == "torch":
-        return fsdp(gpt(cfg), torch_fully_shard, **({"mp_policy": TorchMP(**BF16)} if mp else {}))
-    kw = {"mp_policy": fsdp2.MixedPrecisionPolicy(**BF16)} if mp else {}
-    if kind.startswith("ours"):
-        model = fsdp(gpt(cfg), fsdp2.fully_shard, **kw)
-        if kind == "ours_prefetch":
-            blocks = list(model.blocks)
-            for a, b in zip(blocks, blocks[1:]):
-                a.set_modules_to_forward_prefetch([b])
-                b.set_modules_to_backward_prefetch([a])
-        return model
-    return data_parallel(gpt(cfg), mesh, reshard_after_forward=kind != "simple_keep", **kw)
-
-
-def batch(step: int, cfg=CFG, local=LOCAL):
-    g = torch.Generator().manual_seed(step)
-    x = torch.randint(0, cfg.vocab_size, (N * local, cfg.seq_len + 1), generator=g)
-    return x[:, :-1].chunk(N)[rank], x[:, 1:].chunk(N)[rank]
-
-
-class CountCollectives(TorchDispatchMode):
-    """Eager collectives by phase: ``{"forward all_gather_into_tensor": k, ...}``."""
-
-    def __init__(self):
-        super().__init__()
-        self.counts: dict[str, int] = {}
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.namespace == "_c10d_functional" and "wait" not in func.__name__:
-            phase = "backward" if torch._C._current_graph_task_id() != -1 else "forward"
-            key = f"{phase} {func.__name__.split('.')[0]}"
-            self.counts[key] = self.counts.get(key, 0) + 1
-        return func(*args, **(kwargs or {}))
-
-
-def train(model, steps=STEPS, cfg=CFG, local=LOCAL, count=False):
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    losses, times, counter = [], [], CountCollectives()
-    for step in range(steps):
-        x, y = batch(step, cfg, local)
-        t0 = time.perf_counter()
-        with counter if count and step == 0 else contextlib.nullcontext():
-            loss = F.cross_entropy(model(x).flatten(0, 1).float(), y.flatten())
-            loss.backward()
-        opt.step()
-        opt.zero_grad()
-        times.append(time.perf_counter() - t0)
-        losses.append(loss.detach())
-    return losses, times, counter.counts
-
-
-def full(model) -> dict[str, torch.Tensor]:
-    return {param_name(k): v.full_tensor() for k, v in model.named_parameters()}
+def train(model, steps=STEPS, cfg=demo.CFG, local=demo.LOCAL, count=False):
+    return demo.train(model, rank, N, steps, count, cfg, local)
 
 
 def at_rest(model) -> dict:
@@ -113,13 +56,6 @@ def at_rest(model) -> dict:
     locals_ = [p.to_local() for p in model.parameters()]
     return {"storage": sum(t.untyped_storage().nbytes() for t in locals_),
             "rows": sum(t.numel() * t.element_size() for t in locals_)}
-
-
-def same(a, b) -> dict:
-    return {"losses": all(torch.equal(x, y) for x, y in zip(a[0], b[0])),
-            "params": all(torch.equal(a[1][k], b[1][k]) for k in b[1]),
-            "loss_diff": max(float((x - y).abs()) for x, y in zip(a[0], b[0])),
-            "param_diff": max(float((a[1][k] - b[1][k]).abs().max()) for k in b[1])}
 
 
 def parity() -> dict:

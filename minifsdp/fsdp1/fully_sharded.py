@@ -1,5 +1,5 @@
 """FSDP1: ``FullyShardedDataParallel``, a wrapper that keeps each *unit* of a model sharded as
-one ``FlatParameter`` (``minifsdp.flat_param``) and gathers it only while the unit computes::
+one ``FlatParameter`` (``flat_param.py``) and gathers it only while the unit computes::
 
     policy = transformer_auto_wrap_policy({Block})        # each Block a unit, the root the rest
     model = FullyShardedDataParallel(GPT(cfg), auto_wrap_policy=policy)
@@ -14,7 +14,7 @@ state 8 Psi / N; per step all-gather twice and reduce-scatter once, 3(N-1)/N S (
 The knobs of torch FSDP1's config files, under its names: ``mixed_precision=MixedPrecision(...)``,
 ``backward_prefetch=BackwardPrefetch.BACKWARD_PRE``, ``forward_prefetch=True``, ``model.no_sync()``,
 ``model.clip_grad_norm_(1.0)`` and frozen parameters inside a unit; their Notes are in
-``minifsdp.fsdp1_options`` and ``minifsdp.fsdp1_grads``.
+``options.py`` and ``grads.py``.
 
 Note [units]: a unit is a module whose parameters (those not in a unit below it) form one
 FlatParameter. ``auto_wrap_policy`` picks units bottom-up, as torch's ``_recursive_wrap``; each
@@ -37,7 +37,7 @@ Note [pre-backward hook]: a module has no "my backward starts now" hook, but its
 ``register_multi_grad_hook(outputs, fn, mode="any")`` runs ``fn`` when the first gradient
 w.r.t. any output is computed, i.e. just before autograd runs the unit's backward. There we
 all-gather again what the forward freed (into the same storage the saved views use, Note
-[freeing storage] in ``minifsdp.flat_param``). The first such hook of a backward also queues
+[freeing storage] in ``flat_param.py``). The first such hook of a backward also queues
 the final callback.
 
 Note [post-backward hook]: the views come from one leaf, ``unsharded``; autograd accumulates
@@ -87,7 +87,7 @@ torch's with ``use_orig_params=False`` but without the wrapper's prefix: ``flat_
 in ``full_state_dict`` and in the root's ``state_dict()`` (a collective: every rank calls it),
 which is torch FSDP1's default full state dict.
 
-Tied parameters (Note [tied parameters across units] in ``minifsdp.wrap``): with
+Tied parameters (Note [tied parameters across units] in ``wrap.py``): with
 ``auto_wrap_policy``, a tied parameter goes to the deepest unit enclosing all its users.
 Wrapping units by hand, a parameter already flattened by another unit is an error.
 """
@@ -105,22 +105,16 @@ from torch.autograd import Variable
 from torch.utils._pytree import tree_flatten, tree_map
 
 from minifsdp import comm
-from minifsdp.flat_param import FlatParameter, FlatParamHandle, registered_params
-from minifsdp.fsdp1_grads import clip_grad_norm, install_frozen_hooks
-from minifsdp.fsdp1_options import (  # noqa: F401 (re-exported: torch's names live in its fsdp)
+from minifsdp.fsdp1.flat_param import FlatParameter, FlatParamHandle, registered_params
+from minifsdp.fsdp1.grads import clip_grad_norm, install_frozen_hooks
+from minifsdp.fsdp1.options import (
     BackwardPrefetch,
     CPUOffload,
     MixedPrecision,
     ShardingStrategy,
 )
+from minifsdp.fsdp1.wrap import Policy, assign_owners, plan_units
 from minifsdp.memory import tag
-from minifsdp.wrap import (  # noqa: F401 (the policies are re-exported)
-    Policy,
-    assign_owners,
-    plan_units,
-    size_based_auto_wrap_policy,
-    transformer_auto_wrap_policy,
-)
 
 WRAPPED = "_fsdp_wrapped_module"  # the wrapped module's attribute, as in torch
 FINAL_SPAN = "fsdp1 final callback"  # the comm log's compute span of the final callback
@@ -151,7 +145,7 @@ class FullyShardedDataParallel(nn.Module):
         device_id: the compute device (default: the parameters'); the module is moved there.
         sync_module_states: broadcast rank 0's parameters and buffers first.
         backward_prefetch: None (default), ``BackwardPrefetch.BACKWARD_PRE`` (torch's
-            default) or ``BACKWARD_POST`` (Note [backward prefetch] in ``minifsdp.fsdp1_options``).
+            default) or ``BACKWARD_POST`` (Note [backward prefetch] in ``options.py``).
         mixed_precision: ``MixedPrecision(param_dtype, reduce_dtype, buffer_dtype)`` (Note
             [mixed precision]); None: compute and reduce in the parameters' dtype.
         forward_prefetch: gather the next unit during this one's forward (Note [forward
@@ -450,7 +444,7 @@ class FullyShardedDataParallel(nn.Module):
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Scale every unit's gradient so that the norm of the whole model's gradient is at
         most ``max_norm``; return that norm (before clipping), the same on every rank. A
-        collective, on the root (Note [clipping sharded gradients] in ``minifsdp.fsdp1_grads``).
+        collective, on the root (Note [clipping sharded gradients] in ``grads.py``).
 
         Example::
 
@@ -520,7 +514,7 @@ def _unit_params(module: nn.Module, keep: set[int] | None, unit: str = "") -> li
 
 def _auto_wrap(root: nn.Module, policy: Policy, kwargs: dict) -> set[int]:
     """Wrap the units ``policy`` picks below ``root`` as nested FSDP, children first
-    (``minifsdp.wrap``), and return the ids of the parameters left to the root."""
+    (``wrap.py``), and return the ids of the parameters left to the root."""
     skip = lambda m: isinstance(m, FullyShardedDataParallel)  # wrapped by hand before
     plan = plan_units(root, policy, skip)
     owner = assign_owners(root, [m for _, m in plan], skip)

@@ -13,7 +13,7 @@ the unsharded flat tensor, and every original parameter becomes a *view* into it
     ...forward, backward...
     handle.reshard()              # free the unsharded storage; only the shard remains
 
-*When* to unshard and reshard, and what to do with gradients, is ``minifsdp.fsdp1``'s business.
+*When* to unshard and reshard, and what to do with gradients, is ``fully_sharded.py``'s business.
 torch's ``FlatParamHandle`` (torch/distributed/fsdp/_flat_param.py) is the model.
 
 Note [flat layout]: parameters go in ``named_modules()`` order, each module's in registration
@@ -61,7 +61,7 @@ Note [tied parameters]: a parameter reachable under two names (GPT's ``tok_emb.w
 ``head.weight`` with ``tie_embeddings``) is flattened once, under its first name; the second
 name is a ``SharedParamInfo`` pointing at the first, and gets the *same* view, so autograd sums
 both uses' gradients into one place, as for the unwrapped model. Both names must be in the
-same unit (Note [tied parameters across units] in ``minifsdp.wrap``).
+same unit (Note [tied parameters across units] in ``wrap.py``).
 """
 
 from __future__ import annotations
@@ -121,7 +121,7 @@ class FlatParameter(nn.Parameter):
     rank: int
     world_size: int
     sharded: bool
-    frozen_slices: list[tuple[int, int]]  # Note [frozen parameters] in minifsdp.fsdp1_options
+    frozen_slices: list[tuple[int, int]]  # Note [frozen parameters] in options.py
 
 
 def flat_layout(numels: list[int], world_size: int, align: int = 1) -> tuple[list[int], int]:
@@ -178,11 +178,11 @@ class FlatParamHandle:
             unit is registered, in the order of Note [flat layout]; a parameter listed twice is
             tied. They must share dtype and device and not be on ``meta``; some may be frozen
             (``requires_grad=False``: Note [frozen parameters] in
-            ``minifsdp.fsdp1_options``).
+            ``options.py``).
         rank, world_size: this rank's place in ``process_group``.
         sharded: False for NO_SHARD: the "shard" is the whole padded flat tensor.
         device: the compute device (default: the parameters'); ``unsharded`` lives there.
-        offload: keep ``flat_param`` in CPU memory (Note [CPU offload] in ``minifsdp.fsdp1``).
+        offload: keep ``flat_param`` in CPU memory (Note [CPU offload] in ``fully_sharded.py``).
         process_group: the group of the all-gather.
 
     Afterwards the modules have ``_parameters[name] = None`` and hold views (Note [views, not
@@ -220,7 +220,7 @@ class FlatParamHandle:
         self.device = torch.device(device) if device is not None else unique[0].device
         self.rank, self.world_size, self.sharded = rank, world_size, sharded
         self.offload, self.process_group, self.label = offload, process_group, label
-        # Note [FSDP1 mixed precision] in minifsdp.fsdp1_options: the shard keeps ``dtype``; the
+        # Note [FSDP1 mixed precision] in options.py: the shard keeps ``dtype``; the
         # unsharded flat tensor (what forward and backward use) is in ``compute_dtype``
         self.compute_dtype = param_dtype if param_dtype is not None else dtype
         self.mixed = self.compute_dtype != dtype
@@ -301,7 +301,7 @@ class FlatParamHandle:
         if self.is_unsharded:
             return
         self._buffer.untyped_storage().resize_(self._buffer.numel() * self._buffer.element_size())
-        tag(self._buffer, "params")  # Note [memory categories] in minifsdp.fsdp1
+        tag(self._buffer, "params")  # Note [memory categories] in fully_sharded.py
         with torch.no_grad():
             self._gather_into(self._buffer, tag_)
         self.is_unsharded = True
@@ -311,7 +311,7 @@ class FlatParamHandle:
             out.copy_(self.flat_param)
             return
         shard = self.flat_param.detach()
-        if self.offload:  # Note [CPU offload] in minifsdp.fsdp1
+        if self.offload:  # Note [CPU offload] in fully_sharded.py
             shard = shard.to(self.device, copy=True)
             tag(shard, "comm")
         if shard.dtype != out.dtype:  # Note [FSDP1 mixed precision]: cast the shard, gather 1/2

@@ -1,6 +1,6 @@
 """FSDP1's sharded gradients between backward and the optimizer step: ``clip_grad_norm_``
 (``FullyShardedDataParallel.clip_grad_norm_`` calls ``clip_grad_norm`` here) and keeping frozen
-parameters still (Note [frozen parameters] in ``minifsdp.fsdp1_options``).
+parameters still (Note [frozen parameters] in ``options.py``).
 
 Note [clipping sharded gradients]: the norm of the whole model's gradient, when each rank holds
 1/N of it: every rank computes its shard's ``sum |g|^p`` (as the p-th power of a norm), one
@@ -29,7 +29,7 @@ from torch.optim.optimizer import (
     register_optimizer_step_pre_hook,
 )
 
-from minifsdp.flat_param import FlatParameter, FlatParamHandle
+from minifsdp.fsdp1.flat_param import FlatParameter, FlatParamHandle
 
 
 @torch.no_grad()

@@ -6,7 +6,7 @@
         backward_prefetch=BackwardPrefetch.BACKWARD_PRE, forward_prefetch=True,  # default: None
         cpu_offload=CPUOffload(offload_params=False))
 
-Each is a value object; what it does lives in ``minifsdp.fsdp1`` and ``minifsdp.flat_param``,
+Each is a value object; what it does lives in ``fully_sharded.py`` and ``flat_param.py``,
 which cite the Notes below.
 
 Note [FSDP1 mixed precision]: the FlatParameter shard, the optimizer's copy, stays in full precision
@@ -83,7 +83,7 @@ import torch
 
 
 class ShardingStrategy(enum.Enum):
-    """Note [sharding strategies] in ``minifsdp.fsdp1``. ``ShardingStrategy.parse("no_shard")``
+    """Note [sharding strategies] in ``fully_sharded.py``. ``ShardingStrategy.parse("no_shard")``
     also accepts names."""
 
     FULL_SHARD = "full_shard"
@@ -124,7 +124,7 @@ class BackwardPrefetch(enum.Enum):
 @dataclass(frozen=True)
 class CPUOffload:
     """Keep the sharded parameters and their gradients in host memory (Note [CPU offload] in
-    ``minifsdp.fsdp1``)."""
+    ``fully_sharded.py``)."""
 
     offload_params: bool = False
 
