@@ -90,10 +90,12 @@ CHAPTERS: dict[str, Chapter] = {c.id: c for c in [
 # what every chapter uses and none teaches alone
 INFRASTRUCTURE: tuple[str, ...] = (
     *_m("__init__", "chapters", "data", "dist", "launch", "models", "notebook", "plot",
-        "train", "strategies", "probes", "gpucheck", "torch_order", "demos/__init__"),
+        "train", "strategies", "probes", "gpucheck", "torch_order", "parity",
+        "demos/__init__"),
     *_t("test_data", "test_launch", "test_notebook", "test_project", "test_train",
         "test_strategies", "test_gpu", "test_gpu_ready", "test_labs", "test_lab_bugs",
-        "test_benchmarks", "test_chapters", "exercise_checks", "jobs", "test_torch_order"),
+        "test_benchmarks", "test_chapters", "exercise_checks", "jobs", "test_torch_order",
+        "test_parity"),
     *_w("faulty", "torch_order_worker"),
 )
 

@@ -9,7 +9,8 @@ one can answer:
   ``BucketedDDP`` against torch's, trained side by side on the same GPT and batches; losses
   and final parameters bitwise equal where ``Pair.bitwise`` says so (Note [why a world of one
   still checks], Note [FSDP1 on CUDA]); where parameters differ, the report names the
-  parameter with the largest difference and how many elements differ;
+  parameter with the largest difference, how many elements differ, and the first element
+  that differs with both values' bits (``minifsdp.parity``);
 - determinism: FSDP1, ours and torch's, each run twice: is each bitwise equal to itself?
   (Note [FSDP1 on CUDA]: a difference between ours and torch's means little if torch's
   differs from itself);
@@ -98,6 +99,8 @@ import time
 from dataclasses import dataclass
 
 import torch
+
+from minifsdp import parity
 
 
 @dataclass(frozen=True)
@@ -241,20 +244,23 @@ def run_one(strategy: str, extra: tuple, steps: int, info, tiny: bool = False,
     return out
 
 
-def compare(a: dict, b: dict) -> dict:
-    """Bitwise comparison of two runs: losses, parameters, and where the parameters differ."""
+def compare(a: dict, b: dict, names: tuple[str, str] = ("ours", "torch")) -> dict:
+    """Two runs bit for bit (Note [parity] in minifsdp/parity.py): losses, parameters, the
+    first parameter element that differs, and the largest difference (its parameter, and how
+    many elements differ at all)."""
     pa, pb = a["params"], b["params"]
-    same_keys = pa.keys() == pb.keys()
-    diffs = {k: (pa[k].float() - pb[k].float()).abs() for k in pa if k in pb}
-    worst = max(diffs, key=lambda k: diffs[k].max().item(), default=None)
+    loss = parity.first_divergence(a["losses"], b["losses"])
+    first = parity.first_divergence(pa, pb, names=names)
+    alike = first is None or first.kind == "value"  # the same names, shapes and dtypes
+    worst = parity.worst_divergence(pa, pb) if alike else None  # atol = rtol = 0
     return {
-        "losses_equal": a["losses"] == b["losses"],
-        "first_loss_diff_step": next((i + 1 for i, (x, y) in enumerate(zip(a["losses"],
-                                      b["losses"])) if x != y), None),
-        "params_equal": same_keys and all(torch.equal(pa[k], pb[k]) for k in pa),
-        "max_abs_diff": diffs[worst].max().item() if worst else 0.0,
-        "worst_param": worst if worst and diffs[worst].max().item() > 0 else None,
-        "elements_differing": sum(int((pa[k] != pb[k]).sum()) for k in diffs),
+        "losses_equal": loss is None,
+        "first_loss_diff_step": None if loss is None else loss.step + 1,
+        "params_equal": first is None,
+        "first_divergence": None if first is None else str(first),
+        "max_abs_diff": parity.max_abs_diff(pa, pb) if alike else float("nan"),
+        "worst_param": worst.name if worst else None,
+        "elements_differing": worst.count if worst else 0,
         "elements": sum(v.numel() for v in pa.values()),
     }
 
@@ -286,7 +292,7 @@ def worker(steps: int, tiny: bool) -> None:
             for first, strategy in ((a, pair.ours), (b, pair.torch)):
                 again = run_one(strategy, pair.extra, steps, info, tiny, pair.foreach)
                 out["repeats"].append({"name": f"{strategy} ({pair.name}) twice",
-                                       **compare(first, again)})
+                                       **compare(first, again, ("first run", "second run"))})
         del a, b
     finish(out)
 
@@ -375,7 +381,8 @@ def report(res: dict) -> str:
         if not p["params_equal"]:
             lines.append(f"- {p['name']}: {p['elements_differing']:,} of {p['elements']:,} "
                          f"elements differ, the most in `{p['worst_param']}`; first loss "
-                         f"difference at step {p['first_loss_diff_step']}")
+                         f"difference at step {p['first_loss_diff_step']}; first element: "
+                         f"{p['first_divergence']}")
     for r in res.get("repeats", []):
         verdict = "bitwise equal to itself" if r["params_equal"] and r["losses_equal"] else (
             f"NOT deterministic: max abs diff {r['max_abs_diff']:.1e}, "

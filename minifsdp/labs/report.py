@@ -31,8 +31,10 @@ from typing import Any
 
 import torch
 
+from minifsdp import parity
 from minifsdp.labs import heartbeat, seams
 from minifsdp.launch import split_stack_dump
+from minifsdp.parity import bits
 
 # ---- inside a worker: the trace ---------------------------------------------------------------
 
@@ -85,17 +87,6 @@ class Trace:
                 "calls": dict(seams.CALLS)}
 
 
-def bits(x: float, dtype: torch.dtype) -> str:
-    """The bit pattern of one element, e.g. ``0x3f800000`` for 1.0 in float32."""
-    t = torch.tensor([x], dtype=dtype)
-    if dtype.is_floating_point:
-        width = t.element_size()
-        int_dtype = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[width]
-        v = t.view(int_dtype).item() & ((1 << 8 * width) - 1)
-        return f"0x{v:0{2 * width}x}"
-    return str(int(x))
-
-
 def _num(x: float) -> str:
     if isinstance(x, float) and not math.isfinite(x):
         return str(x)
@@ -131,21 +122,14 @@ def _compare_tensor(got: Any, expected: torch.Tensor, n: int, name: str,
     if got.shape != expected.shape or got.dtype != expected.dtype:
         return [f"yours is {_desc(got)}, expected {_desc(expected)}"]
     g, e = got.detach().cpu(), expected.detach().cpu()
-    if g.dtype.is_floating_point:  # bits, so that -0.0 vs 0.0 and NaN payloads count
-        width = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[g.element_size()]
-        differ = g.contiguous().view(width) != e.contiguous().view(width)
-    else:
-        differ = g != e
-    count = int(differ.sum())
-    if count == 0:
+    # bit for bit; a NaN matches a NaN of the same bits (Note [parity] in minifsdp/parity.py)
+    d = parity.first_divergence(g, e, names=("yours", "expected"), equal_nan=True)
+    if d is None:
         return None
-    flat = int(differ.reshape(-1).nonzero()[0])
-    index = list(torch.unravel_index(torch.tensor(flat), g.shape)) if g.dim() else []
-    idx = "[" + ", ".join(str(int(i)) for i in index) + "]"
-    gv, ev = g.reshape(-1)[flat].item(), e.reshape(-1)[flat].item()
-    lines = [f"{_desc(g)}: {count:,} of {g.numel():,} elements differ",
-             f"  first at {idx}: yours {_num(gv)} ({bits(gv, g.dtype)}), "
-             f"expected {_num(ev)} ({bits(ev, g.dtype)})"]
+    idx = "[" + ", ".join(str(i) for i in d.index) + "]"
+    lines = [f"{_desc(g)}: {d.count:,} of {d.numel:,} elements differ",
+             f"  first at {idx}: yours {_num(d.ours)} ({bits(d.ours, g.dtype)}), "
+             f"expected {_num(d.theirs)} ({bits(d.theirs, g.dtype)})"]
     said = hint(name, g, e, n) if hint else None
     said = said or _generic_hint(g, e, n)
     if said:

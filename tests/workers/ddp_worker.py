@@ -12,6 +12,7 @@ from torch.nn.parallel import DistributedDataParallel
 from minifsdp import comm
 from minifsdp.ddp import BucketedDDP
 from minifsdp.dist import dist_setup, finish, seed_everything
+from minifsdp.parity import divergence_line, max_abs_diff
 from minifsdp.train import loss_fn, make_model, parse_args
 
 info = dist_setup()
@@ -33,9 +34,10 @@ def params_of(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def compare(ours: dict, ref: dict) -> dict:
-    return {"names_equal": list(ours) == list(ref),
-            "equal": all(torch.equal(ours[k], ref[k]) for k in ref),
-            "max_diff": max(float((ours[k] - ref[k]).abs().max()) for k in ref)}
+    """Bitwise (Note [parity]): ``divergence`` is the first difference's line, or None."""
+    line = divergence_line(ours, ref, names=("BucketedDDP", "torch DDP"), where=f"rank {rank}")
+    return {"names_equal": list(ours) == list(ref), "equal": line is None, "divergence": line,
+            "max_diff": max_abs_diff(ours, ref)}
 
 
 # ---- 1. gradient accumulation: k-1 backwards under no_sync, then a synced one ------------

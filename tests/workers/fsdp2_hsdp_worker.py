@@ -23,6 +23,7 @@ from minifsdp import comm, fsdp2
 from minifsdp.dist import dist_setup, finish
 from minifsdp.fsdp2 import chunk_dim0
 from minifsdp.models import GPT, GPTConfig
+from minifsdp.parity import divergence_line, max_abs_diff
 
 info = dist_setup()
 rank, N = info.rank, info.world_size
@@ -86,9 +87,9 @@ def full(model: GPT) -> dict[str, torch.Tensor]:
     return {k: v.full_tensor().detach().clone() for k, v in model.named_parameters()}
 
 
-def compare(a: dict, b: dict) -> dict:
-    return {"bitwise": all(torch.equal(a[k], b[k]) for k in a),
-            "max_diff": max(float((a[k] - b[k]).abs().max()) for k in a)}
+def vs(ours: dict, theirs: dict, names: tuple[str, str] = ("ours", "torch")) -> str | None:
+    """The first difference's line, None if bit for bit (Note [parity] in minifsdp/parity.py)."""
+    return divergence_line(ours, theirs, names=names, where=f"rank {rank}")
 
 
 def run_case(policy: dict | None, micro: int = 1, no_sync: bool = False,
@@ -102,7 +103,7 @@ def run_case(policy: dict | None, micro: int = 1, no_sync: bool = False,
         if impl == "ours":
             calls = [(c.op, c.group_size, str(c.dtype)) for c in log.comms()]
     return {"losses": {k: v[0] for k, v in out.items()},
-            **compare(out["ours"][1], out["torch"][1]),
+            "vs_torch": vs(out["ours"][1], out["torch"][1]),
             "calls": sorted({c: calls.count(c) for c in set(calls)}.items())}
 
 
@@ -136,12 +137,13 @@ def state_dicts() -> dict:
         "comm_during_state_dict": counts,
         "placements": sorted({str(v.placements) for v in sd.values()}),
         "local_rows": local_rows,
-        "full_vs_torch": compare(full_ours, {k: full_torch[k] for k in full_ours}),
+        # each the first difference's line, None if bit for bit
+        "full_vs_torch": vs(full_ours, {k: full_torch[k] for k in full_ours}),
         "same_keys_as_torch": sorted(full_ours) == sorted(full_torch),
-        "full_round_trip": compare(from_full, saved)["bitwise"],
-        "sharded_round_trip": compare(from_sharded, saved)["bitwise"],
-        "trained_alike": compare(after["from_full"], after["saved"])["bitwise"]
-        and compare(after["from_sharded"], after["saved"])["bitwise"],
+        "full_round_trip": vs(from_full, saved, ("loaded", "saved")),
+        "sharded_round_trip": vs(from_sharded, saved, ("loaded", "saved")),
+        "trained_unlike": vs(after["from_full"], after["saved"], ("from full", "saved"))
+        or vs(after["from_sharded"], after["saved"], ("from sharded", "saved")),
     }
 
 
@@ -179,7 +181,8 @@ def reshard_to_k() -> dict:
         error = None
     except ValueError as e:
         error = str(e)
-    return {"losses": {k: v[0] for k, v in out.items()}, **compare(out["ours"][1], out["torch"][1]),
+    return {"losses": {k: v[0] for k, v in out.items()},
+            "vs_torch": vs(out["ours"][1], out["torch"][1]),
             "calls": sorted({c: calls.count(c) for c in set(calls)}.items()), "kept": kept,
             "error": error, "error_untouched": not isinstance(bad.blocks[0].ln1.weight, DTensor)}
 
@@ -224,7 +227,7 @@ def simple_fsdp_hsdp() -> dict:
                 for k, v in model.named_parameters()}
         out[name] = {"first_loss_equal": losses[0] == losses_ref[0],
                      "loss_gap": max(abs(a - b) for a, b in zip(losses, losses_ref)),
-                     **compare(mine, full_ref),
+                     "max_diff": max_abs_diff(mine, full_ref),
                      "differ": sorted(k for k in mine if not torch.equal(mine[k], full_ref[k])),
                      "placements": sorted({str(v) for v in placements.values()}),
                      "first_gradient": grads,

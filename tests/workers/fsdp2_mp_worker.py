@@ -22,6 +22,7 @@ from minifsdp import comm, fsdp2
 from minifsdp.dist import dist_setup, finish
 from minifsdp.memory import MemoryTracker
 from minifsdp.models import GPT, GPTConfig, MnistCNN
+from minifsdp.parity import divergence_line, max_abs_diff
 from minifsdp.train import loss_fn, parse_args, shard_bottom_up, shard_units
 
 info = dist_setup()
@@ -112,25 +113,23 @@ def train(name: str, impl: str, policy: str, micro: int = 1, track: bool = False
             "param_dtypes": sorted({str(p.dtype) for p in m.parameters()})}
 
 
-def diff(a: dict, b: dict) -> float:
-    return max(float((a[k].double() - b[k].double()).abs().max()) for k in a)
-
-
 def compare(name: str, policy: str, micro: int = 1, track: bool = False,
             ref: dict | None = None) -> tuple[dict, dict]:
-    """Ours vs torch with one policy. Returns (summary, our run)."""
+    """Ours vs torch with one policy. Returns (summary, our run); ``divergence`` is the first
+    difference's line, None if bit for bit (Note [parity] in minifsdp/parity.py)."""
     ours, theirs = (train(name, impl, policy, micro, track) for impl in ("ours", "torch"))
+    line = divergence_line(ours["params"], theirs["params"],
+                           where=f"N = {N}, rank {rank}, {name}/{policy}, micro {micro}")
     summary = {
-        "bitwise": all(torch.equal(ours["params"][k], theirs["params"][k])
-                       for k in ours["params"]),
-        "max_abs_diff": diff(ours["params"], theirs["params"]),
+        "bitwise": line is None, "divergence": line,
+        "max_abs_diff": max_abs_diff(ours["params"], theirs["params"]),
         "losses": {"ours": ours["losses"], "torch": theirs["losses"]},
         "comm": ours["comm"],
         "memory": ours["memory"], "out_dtype": ours["out_dtype"],
         "param_dtypes": ours["param_dtypes"],
     }
     if ref is not None:  # how far this precision drifts from fp32 training
-        summary["vs_fp32"] = diff(ours["params"], ref["params"])
+        summary["vs_fp32"] = max_abs_diff(ours["params"], ref["params"])
     return summary, ours
 
 
@@ -142,8 +141,10 @@ for name in models:
     # (a) no policy, the default policy and an all-fp32 policy: the same run, bit for bit
     for policy in ("default", "fp32"):
         run = train(name, "ours", policy)
+        line = divergence_line(run["params"], none["params"], names=(policy, "no policy"),
+                               where=f"N = {N}, rank {rank}, {name}")
         cases[f"{name}/{policy}_vs_none"] = {
-            "bitwise": all(torch.equal(run["params"][k], none["params"][k]) for k in run["params"]),
+            "bitwise": line is None, "divergence": line,
             "losses_equal": run["losses"] == none["losses"], "comm_equal": run["comm"] == none[
                 "comm"]}
     cases[f"{name}/none"] = {"comm": none["comm"], "memory": none["memory"]}

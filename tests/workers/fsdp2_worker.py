@@ -23,11 +23,13 @@ from torch.distributed.tensor.debug import CommDebugMode
 from minifsdp import comm, fsdp2
 from minifsdp.dist import dist_setup, finish
 from minifsdp.models import GPT, GPTConfig
+from minifsdp.parity import divergence_line, max_abs_diff
 
 info = dist_setup()
 rank, N = info.rank, info.world_size
 mesh = init_device_mesh(info.device.type, (N,))
 STEPS, LOCAL = 3, 4
+AT = f"N = {N}, rank {rank}"  # where a divergence is (Note [parity] in minifsdp/parity.py)
 
 
 class Net(nn.Module):
@@ -104,10 +106,6 @@ def train(model, opt, sharded: bool, micro: int = 1, no_sync: bool = False,
     return losses, norms, has_grad
 
 
-def diff(a: dict, b: dict) -> float:
-    return max(float((a[k] - b[k]).abs().max()) for k in a)
-
-
 def run_case(kw: dict, micro: int = 1, no_sync: bool = False, clip: float | None = None,
              keep_unsharded: bool = False):
     out = {}
@@ -125,11 +123,11 @@ def run_case(kw: dict, micro: int = 1, no_sync: bool = False, clip: float | None
             out["comm"] = {op: s["calls"] for op, s in log.summary().items()}
     ours, theirs, single = (out[k]["params"] for k in ("ours", "torch", "single"))
     moved = {k: float((single[k] - init[k]).abs().max()) for k in init}
-    return {
-        "ours_vs_torch": diff(ours, theirs), "ours_vs_single": diff(ours, single),
-        "torch_vs_single": diff(theirs, single),
-        "bitwise_torch": all(torch.equal(ours[k], theirs[k]) for k in ours),
-        "bitwise_single": all(torch.equal(ours[k], single[k]) for k in ours),
+    return {  # a divergence: the first difference's line, None if bit for bit
+        "vs_torch": divergence_line(ours, theirs, names=("fsdp2", "torch"), where=AT),
+        "vs_single": divergence_line(ours, single, names=("fsdp2", "one process"), where=AT),
+        "ours_vs_single": max_abs_diff(ours, single),
+        "torch_vs_single": max_abs_diff(theirs, single),
         "losses": {k: out[k]["losses"] for k in models},
         "norms": {k: out[k]["norms"] for k in models},
         "has_grad": {k: out[k]["has_grad"] for k in models}, "moved": moved,
@@ -205,7 +203,7 @@ def whole_unit_checkpointing() -> dict:
         out[name] = {"losses": losses, "params": full_params(model), "ops": ops}
     ref = out["ours"]["params"]
     return {name: {"losses": o["losses"], "ops": o["ops"],
-                   "bitwise_ours": all(torch.equal(o["params"][k], ref[k]) for k in ref)}
+                   "vs_ours": divergence_line(o["params"], ref, names=(name, "ours"), where=AT)}
             for name, o in out.items()}
 
 
@@ -234,7 +232,7 @@ def meta_init() -> dict:
     train_gpt(fresh)  # trains (its local tensors were re-padded before the first all-gather)
     return {
         "on_meta": on_meta, "tied": tied, "losses": losses,
-        "bitwise": all(torch.equal(a[k], b[k]) for k in a),
+        "vs_direct": divergence_line(b, a, names=("meta init", "direct"), where=AT),
         "ln_ones": all(bool((v == 1).all()) for k, v in sd.items() if ".ln" in k and "weight" in k),
         "bias_zeros": all(bool((v == 0).all()) for k, v in sd.items() if k.endswith("bias")),
         "emb_std": float(sd["tok_emb.weight"].std()),
@@ -276,10 +274,13 @@ def state_dicts() -> dict:
         "local_numel": sum(v.to_local().numel() for v in sd.values()),
         "full_numel": sum(v.numel() for v in full.values()),
         "full_plain": all(type(v) is torch.Tensor for v in full.values()),
-        "full_round_trip": all(torch.equal(after_full[k], saved[k]) for k in saved),
-        "sharded_round_trip": all(torch.equal(after_sharded[k], saved[k]) for k in saved),
-        "trained_alike": all(torch.equal(a, b) for a, b in zip(
-            full_params(model).values(), full_params(model2).values())),
+        # each the first difference's line, None if bit for bit
+        "full_round_trip": divergence_line(after_full, saved, names=("loaded", "saved"),
+                                           where=AT),
+        "sharded_round_trip": divergence_line(after_sharded, saved, names=("loaded", "saved"),
+                                              where=AT),
+        "trained_unlike": divergence_line(full_params(model), full_params(model2),
+                                          names=("reloaded", "fresh model"), where=AT),
     }
 
 

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from minifsdp.dist import dist_setup, finish
 from minifsdp.memory import MemoryTracker
 from minifsdp.models import GPT, GPTConfig
+from minifsdp.parity import divergence_line, max_abs_diff
 from minifsdp.zero import setup_zero
 
 info = dist_setup()
@@ -57,10 +58,18 @@ def batch(step: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(N * LOCAL, 10, generator=g), torch.randint(0, 3, (N * LOCAL,), generator=g)
 
 
-def same_on_all_ranks(t: torch.Tensor) -> bool:
-    everyone = [torch.empty_like(t) for _ in range(N)]
-    dist.all_gather(everyone, t.contiguous())
-    return all(torch.equal(e, everyone[0]) for e in everyone)
+def replicas_differ(model: nn.Module) -> str | None:
+    """Where some rank's parameters first differ from rank 0's (ZeRO's all-gather must leave
+    every replica alike, bit for bit), or None."""
+    per_rank: list[dict] = [{} for _ in range(N)]
+    for k, p in model.named_parameters():
+        everyone = [torch.empty_like(p.detach()) for _ in range(N)]
+        dist.all_gather(everyone, p.detach().contiguous())
+        for q in range(N):
+            per_rank[q][k] = everyone[q]
+    lines = (divergence_line(per_rank[q], per_rank[0], names=(f"rank {q}", "rank 0"))
+             for q in range(1, N))
+    return next((line for line in lines if line), None)
 
 
 def run_case(stage, opt_name, cap, micro, options) -> dict:
@@ -91,9 +100,10 @@ def run_case(stage, opt_name, cap, micro, options) -> dict:
     got, want = dict(model.named_parameters()), dict(ref.named_parameters())
     return {
         "buckets": [[b.numel, b.flat.numel()] for b in opt.buckets],
-        "max_abs_diff": max(float((got[k] - want[k]).abs().max()) for k in want),
-        "bitwise": all(torch.equal(got[k], want[k]) for k in want),
-        "replicas_equal": all(same_on_all_ranks(p.detach()) for p in model.parameters()),
+        "max_abs_diff": max_abs_diff(got, want),
+        "divergence": divergence_line(got, want, names=("ZeRO", "one process"),
+                                      where=f"rank {rank}"),  # None: bit for bit
+        "replicas_differ": replicas_differ(model),
         "moved": min(float((p - q).abs().max()) for p, q in zip(model.parameters(),
                                                                  mlp().parameters())),
         "losses": losses, "ref_losses": ref_losses[rank::N],
