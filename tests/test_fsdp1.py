@@ -53,6 +53,7 @@ from minifsdp.fsdp1.wrap import (
 )
 from minifsdp.launch import RunResult
 from minifsdp.models import GPT, Block, GPTConfig, MnistCNN, build_model
+from minifsdp.parity import assert_bitwise, max_abs_diff
 
 PARALLEL = 2
 JOB_PREFIX = "fsdp1_"  # the launched fixture in conftest.py runs the jobs
@@ -145,10 +146,6 @@ def train_run(launched):
     return get
 
 
-def max_diff(a: dict, b: dict) -> float:
-    return max(float((a[k] - b[k]).abs().max()) for k in a)
-
-
 def worker_cases(launched, n: int) -> list[tuple[str, dict]]:
     """``("<case> (rank r)", results)`` of every case and rank of the worker at world size n."""
     ranks = launched["worker", n].result().ranks
@@ -227,15 +224,15 @@ def test_train_parity_with_torch_fsdp1_and_one_process(train_run, name):
     assert list(got) == list(theirs) == list(ref), "the unwrapped names, in the same order"
     for k in ref:
         assert type(got[k]) is torch.Tensor and got[k].shape == ref[k].shape, k
-        assert torch.equal(got[k], theirs[k]), f"{k} differs from torch by {max_diff(got, theirs)}"
+    assert_bitwise(got, theirs, where=name)
     ref_losses = single_run.ranks[0]["losses"]
     if c.n == 2:
         assert losses == ref_losses
-        assert all(torch.equal(got[k], ref[k]) for k in ref), max_diff(got, ref)
+        assert_bitwise(got, ref, names=("ours", "one process"), where=name)
     else:
         gap = max(abs(a - b) for a, b in zip(torch_run.ranks[0]["losses"], ref_losses))
         assert max(abs(a - b) for a, b in zip(losses, ref_losses)) <= RELATIVE_TO_TORCH * gap
-        assert max_diff(got, ref) <= RELATIVE_TO_TORCH * max_diff(theirs, ref) < 1e-4
+        assert max_abs_diff(got, ref) <= RELATIVE_TO_TORCH * max_abs_diff(theirs, ref) < 1e-4
 
 
 @pytest.mark.parametrize("name", TRAIN_CASES)

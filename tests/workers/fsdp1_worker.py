@@ -22,6 +22,7 @@ from torch.distributed.fsdp import ShardingStrategy, wrap
 from minifsdp import comm, fsdp1
 from minifsdp.dist import dist_setup, finish
 from minifsdp.models import GPT, GPTConfig, MnistCNN
+from minifsdp.parity import max_abs_diff
 from minifsdp.train import loss_fn, unit_classes
 
 info = dist_setup()
@@ -98,10 +99,6 @@ def train(model_name: str, model, opt, reference: bool = False) -> list[float]:
     return losses
 
 
-def max_diff(a: dict, b: dict) -> float:
-    return max(float((a[k] - b[k]).abs().max()) for k in a)
-
-
 def run_case(model_name: str, strategy: str, wrap_name: str, min_params: int,
              offload: bool) -> dict:
     base = build(model_name)
@@ -139,9 +136,9 @@ def run_case(model_name: str, strategy: str, wrap_name: str, min_params: int,
         "offloaded": all(p.device.type == "cpu" for p in ours.parameters()) if offload else None,
         "losses": losses, "torch_losses": torch_losses, "ref_losses": ref_losses,
         "bitwise_torch": all(torch.equal(got[k], theirs_sd[k]) for k in want),
-        "diff_torch": max_diff(got, theirs_sd),
+        "diff_torch": max_abs_diff(got, theirs_sd),
         "bitwise_ref": all(torch.equal(got[k], want[k]) for k in want),
-        "diff_ref": max_diff(got, want), "torch_diff_ref": max_diff(theirs_sd, want),
+        "diff_ref": max_abs_diff(got, want), "torch_diff_ref": max_abs_diff(theirs_sd, want),
         "moved": min(float((got[k] - v).abs().max()) for k, v in base.state_dict().items()),
         "calls": calls,
     }
