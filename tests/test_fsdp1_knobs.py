@@ -134,10 +134,9 @@ def test_prefetch_issues_torchs_collectives_in_torchs_order(launched, n):
 @pytest.mark.parametrize("n", BY_WORLD)
 def test_prefetch_memory(launched, n):
     """A prefetch keeps one more unit unsharded: BACKWARD_PRE during a unit's backward,
-    forward_prefetch during its forward. The bounds allow one unit's unsharded gradient more:
-    when gloo's background thread lets go of a finished reduce-scatter's input is not ours to
-    order (measured at N = 2: BACKWARD_PRE +3,716 B over none; BACKWARD_POST +0 or +3,840 B
-    from run to run, the last unit's gradient; forward prefetch +8,292 B)."""
+    forward_prefetch during its forward. Peaks of every category but "other": gloo's copy of a
+    reduce-scatter's input dies when gloo's thread lets go of it, which is not ours to order.
+    The bounds allow one unit's unsharded gradient more."""
     got = dict(cases(launched, n, "prefetch_"))
     for r in range(n):
         peak = {k: got[f"prefetch_{k} (rank {r})"]["peaks"][1]

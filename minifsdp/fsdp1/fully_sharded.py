@@ -66,7 +66,8 @@ side stream and cannot reuse the gradient's memory before that stream is done wi
 the CPU there is no stream to overlap on, and torch's reduce-scatter call blocks there (it
 is issued with ``async_op=False``, ``_reduce_grad`` in ``torch/distributed/fsdp/
 _runtime_utils.py``). So does ours: it is waited for at once, the unsharded gradient is freed
-before the next unit's backward, and the peak is torch FSDP1's. Waiting later would cost a
+before the next unit's backward (its storage is freed at once: gloo's thread may hold the work,
+and with it the input, a moment longer), and the peak is torch FSDP1's. Waiting later would cost a
 second unsharded gradient (on benchmarks/fsdp1.py's GPT at N = 2: 37.4 MiB instead of 34.9)
 for an overlap that 2 CPU cores cannot give.
 
@@ -380,9 +381,12 @@ class FullyShardedDataParallel(nn.Module):
         """(root) Wait for the collective in flight; its result joins the shard's ``.grad``."""
         if self._pending is None:
             return
-        unit, work, _, out = self._pending  # the input lives until the collective is done
+        unit, work, grad, out = self._pending  # the input lives until the collective is done
         self._pending = None
         work.wait()
+        if grad is not out and grad.device.type == "cpu":
+            # freed now, not when gloo's thread lets go of its work (Note [final callback])
+            grad.untyped_storage().resize_(0)
         _, after = unit._divide
         if after > 1:
             out.div_(after)
