@@ -96,8 +96,9 @@ def test_mixed_precision_bit_for_bit_with_torch_fsdp1(launched, n):
 @pytest.mark.parametrize("n", BY_WORLD)
 def test_mixed_precision_halves_what_it_should(launched, n):
     """bf16 all-gathers (and a bf16 reduce) move half fp32's bytes; an fp32 reduce the same;
-    the peak drops (unsharded parameters and gradients in bf16; shards, their gradients and
-    AdamW's state stay fp32)."""
+    the parameters' peak drops (unsharded parameters in bf16; the shards stay fp32). The whole
+    peak need not: with an fp32 reduce a bf16 gradient and its fp32 copy coexist, and gloo's
+    copy of the reduce-scatter's input dies when its thread lets go of it."""
     got = {name: c for name, c in cases(launched, n, "")}
     for r in range(n):
         fp32 = got[f"prefetch_none (rank {r})"]  # the same run in fp32 (FULL_SHARD, no prefetch)
@@ -105,7 +106,7 @@ def test_mixed_precision_halves_what_it_should(launched, n):
         assert mp["wire_bytes"]["all_gather"] * 2 == fp32["wire_bytes"]["all_gather"]
         assert mp["wire_bytes"]["reduce_scatter"] == fp32["wire_bytes"]["reduce_scatter"]
         assert mp16["wire_bytes"]["reduce_scatter"] * 2 == fp32["wire_bytes"]["reduce_scatter"]
-        assert mp["peaks"][1] < fp32["peaks"][1]
+        assert mp["peaks_params"][1] < fp32["peaks_params"][1]
 
 
 @pytest.mark.parametrize("n", BY_WORLD)
@@ -139,7 +140,7 @@ def test_prefetch_memory(launched, n):
     The bounds allow one unit's unsharded gradient more."""
     got = dict(cases(launched, n, "prefetch_"))
     for r in range(n):
-        peak = {k: got[f"prefetch_{k} (rank {r})"]["peaks"][1]
+        peak = {k: got[f"prefetch_{k} (rank {r})"]["peaks_but_other"][1]
                 for k in ("none", "backward_pre", "backward_post", "forward")}
         unit = max(got[f"prefetch_none (rank {r})"]["padded_bytes"].values())
         assert 0 < peak["backward_pre"] - peak["none"] <= 2 * unit, (peak, unit)

@@ -196,7 +196,8 @@ def mark_forwards(model: nn.Module, ours: bool) -> None:
 
 
 def train(model: nn.Module, opt, case: dict, ours: bool, tracker_steps: bool = False) -> dict:
-    losses, grads, params, norms, events, peaks = [], [], [], [], [], []
+    losses, grads, params, norms, events = [], [], [], [], []
+    peaks, peaks_but_other, peaks_params = [], [], []
     clip = case.get("clip")
     for step in range(STEPS):
         with TORCH.record() as recorded:
@@ -221,12 +222,14 @@ def train(model: nn.Module, opt, case: dict, ours: bool, tracker_steps: bool = F
             opt.zero_grad(set_to_none=True)
             if tracker is not None:
                 tracker.__exit__(None, None, None)
-                # every category but "other": gloo's reduce-scatter copy dies on its thread
-                peaks.append(max(s["total"] - s["other"] for s in tracker.timeline))
+                # and without "other": gloo's reduce-scatter copy dies on its thread
+                peaks.append(tracker.peak)
+                peaks_but_other.append(max(s["total"] - s["other"] for s in tracker.timeline))
+                peaks_params.append(max(s["params"] for s in tracker.timeline))
             params.append({n: p.detach().clone() for n, p in units_of(model, ours).items()})
         events.append([(e.op, e.group) for e in recorded])
     return dict(losses=losses, grads=grads, params=params, norms=norms, events=events,
-                peaks=peaks)
+                peaks=peaks, peaks_but_other=peaks_but_other, peaks_params=peaks_params)
 
 
 class _nothing:
@@ -295,9 +298,11 @@ def run_case(name: str, case: dict) -> dict:
         out["ref_norms"] = reference_norms(base, case)
     if name in TRACKED:  # memory of the second step (the optimizer state exists from step 1)
         _, ours2, _ = wrap_pair(case)
-        out["peaks"] = train(ours2, torch.optim.AdamW(ours2.parameters(), lr=1e-2,
+        tracked = train(ours2, torch.optim.AdamW(ours2.parameters(), lr=1e-2,
                                                       weight_decay=0.1), case, ours=True,
-                             tracker_steps=True)["peaks"]
+                             tracker_steps=True)
+        for k in ("peaks", "peaks_but_other", "peaks_params"):
+            out[k] = tracked[k]
         out["padded_bytes"] = {u._name: u._handle.padded_numel * 4 for u in ours2._units
                                if u._handle is not None}
     return out
