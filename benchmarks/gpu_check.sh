@@ -20,7 +20,8 @@
 # benchmarks/RESULTS.md); without CUDA the default is runs/gpu_check/RESULTS.md instead, so a
 # CPU dry run never lands in benchmarks/RESULTS.md. Logs: runs/gpu_check/.
 # Time limits (seconds, env): GPU_CHECK_TOTAL_S (480), GPU_CHECK_CHECK_S (150),
-# GPU_CHECK_BENCH_S (120), GPU_CHECK_NOTEBOOKS_S (150); the tests get what is left.
+# GPU_CHECK_BENCH_S (120; 0 skips the bench), GPU_CHECK_NOTEBOOKS_S (150); the tests get what
+# is left. GPU_CHECK_NOTEBOOKS and GPU_CHECK_TESTS (space-separated paths) narrow parts (b), (c).
 
 set -u
 cd "$(dirname "$0")/.." || exit 1
@@ -69,7 +70,7 @@ if [ "$QUICK" = 1 ]; then
 else
     CHECK_ARGS=(); BENCH_ARGS=()
     NOTEBOOKS=(${GPU_CHECK_NOTEBOOKS:-notebooks/*.ipynb}); NB_JOBS=16; NB_ARGS=()
-    TESTS=(tests/test_gpu.py tests); XDIST=8
+    TESTS=(${GPU_CHECK_TESTS:-tests/test_gpu.py tests}); XDIST=8
 fi
 
 # whatever happens, what is in the section gets appended
@@ -105,6 +106,9 @@ rc=$?
 } >> "$SECTION"
 
 S=$(min "${GPU_CHECK_BENCH_S:-120}" "$(left)"); t=$(date +%s)
+if [ "${GPU_CHECK_BENCH_S:-120}" = 0 ]; then
+    echo "### (a) python -m minifsdp.gpucheck --bench: skipped (GPU_CHECK_BENCH_S=0)" >> "$SECTION"
+else
 say "(a) gpucheck --bench ${BENCH_ARGS[*]} (deadline ${S}s)"
 deadline "$S" "$PY" -m minifsdp.gpucheck --bench ${BENCH_ARGS[@]+"${BENCH_ARGS[@]}"} --timeout $(( S - 5 )) \
     --out "$WORK/bench.md" > "$WORK/bench.log" 2>&1
@@ -115,6 +119,7 @@ rc=$?
     if [ -s "$WORK/bench.md" ]; then sed 's/^## /#### /' "$WORK/bench.md"
     else tail_block "$WORK/bench.log" 30; fi
 } >> "$SECTION"
+fi
 
 # ---- (b) the notebooks' code cells, in parallel ------------------------------------------------
 # the tests need at least a minute and a half after this
