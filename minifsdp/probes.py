@@ -71,8 +71,12 @@ def full_params(model: nn.Module) -> dict[str, torch.Tensor]:
     if isinstance(model, FullyShardedDataParallel):  # ours: torch's helper does not know it
         sd = full_state_dict(model)
     else:
+        # Offload only what is not on the CPU already. torch 2.11's FSDP1 with offload_to_cpu
+        # on CPU parameters cloned freed memory in its full-state-dict hook and killed rank 0
+        # with SIGSEGV (the H100 machine, benchmarks/RESULTS.md; not reproduced on 2 cores).
+        on_cpu = all(p.device.type == "cpu" for p in model.parameters())
         sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True,
-                                                                   cpu_offload=True))
+                                                                   cpu_offload=not on_cpu))
     # torch strips its own DDP's "module." prefix; our wrappers (NaiveDDP, BucketedDDP) need
     # the same so that every strategy saves the model's own parameter names.
     torch.nn.modules.utils.consume_prefix_in_state_dict_if_present(sd, "module.")
