@@ -56,7 +56,13 @@ from minifsdp.dist import DistInfo, dist_setup, finish, report_progress, seed_ev
 from minifsdp.evaluation import evaluate
 from minifsdp.memory import MemoryTracker
 from minifsdp.models import apply_activation_checkpointing, build_model, count_params
-from minifsdp.probes import full_params, param_layout, save_full_params, torch_memtracker
+from minifsdp.probes import (
+    full_params,
+    largest_reduce_scatter_input,
+    param_layout,
+    save_full_params,
+    torch_memtracker,
+)
 from minifsdp.resume import after_step, resume
 from minifsdp.strategies import (
     DTYPES,
@@ -395,6 +401,8 @@ def main(argv: list[str] | None = None) -> None:
         "step_times": step_times, "memory": memory, "comm": log.to_list(),
         "param_layout": layout, "torch_memtracker": torch_mem, "grad_norms": grad_norms,
     }
+    if torch_mem is not None:  # what may part the two trackers (Note [two trackers, one step])
+        results["largest_reduce_scatter_input"] = largest_reduce_scatter_input(model)
     # which steps these losses are, so a resumed run's curve continues the killed one's
     results.update(ckpt, steps=list(range(start + 1, start + len(losses) + 1)), finished=True)
     if args.eval:

@@ -269,17 +269,20 @@ def test_peak_memory_under_the_bound_and_next_to_torch(train_run, n, model, vari
         assert end["optimizer"] <= b["OSs"]
 
 
-# Both trackers watch the same step (train.py's Note [two trackers, one step]), so whatever torch
-# frees on gloo's thread, both see it: measured equal byte for byte on every rank, CNN and tied GPT
-# here and the chapter-05 GPT (d_model 256, AdamW) at N = 2 and 4. (With torch's tracker on the
-# step after ours, CI once saw 24,637,688 B vs 27,586,296 B on both ranks: a different step.)
+# Both trackers watch the same step (probes.py's Note [two trackers, one step]): they agree byte
+# for byte (measured so on every rank, CNN and tied GPT here and the chapter-05 GPT at N = 2 and
+# 4, in almost every run) or by construction differ by at most one reduce-scatter input that died
+# on gloo's thread between their two bookkeepings. (With torch's tracker on the step after ours,
+# CI once saw 24,637,688 B vs 27,586,296 B on both ranks: a different step.)
 @pytest.mark.parametrize("model", ["cnn", "gpt"])
 def test_our_tracker_agrees_with_torch_fsdp_memtracker(train_run, model):
     run, _ = train_run(2, model, "", "torch_fsdp2")
     for r in run.ranks:
         ours = r["memory"][TRACKED - 1]
         theirs = r["torch_memtracker"]
-        assert ours["peak"] == theirs["Total"], (r["rank"], ours["peak"], theirs)
+        gloo_copy = r["largest_reduce_scatter_input"]
+        assert 0 < gloo_copy < ours["peak"] // 2
+        assert abs(ours["peak"] - theirs["Total"]) <= gloo_copy, (r["rank"], ours["peak"], theirs)
         end = ours["timeline"][-1]  # the end of the step: at rest
         assert theirs["OptState"] == end["optimizer"]
         assert theirs["Sharded Param"] == end["params"]
@@ -589,3 +592,4 @@ def test_memory_categories_of_a_step(mesh):
     assert mt.timeline[-1]["params"] == 4 * numel
     assert peaks["grads"] == 4 * numel and peaks["comm"] >= 4 * 30  # model[0]: 30 elements
     assert peaks["params"] <= 4 * numel + 4 * numel  # shards + at most everything unsharded
+
