@@ -593,3 +593,22 @@ def test_memory_categories_of_a_step(mesh):
     assert peaks["grads"] == 4 * numel and peaks["comm"] >= 4 * 30  # model[0]: 30 elements
     assert peaks["params"] <= 4 * numel + 4 * numel  # shards + at most everything unsharded
 
+
+def test_worker_reduction_options_are_torchs(worker):
+    """Note [divide factor], Note [unused parameters]: with each option ours and torch's
+    ``fully_shard`` train to the same bits (N = 2, 3); a factor other than N without
+    force-sum needs NCCL's PREMUL_SUM, which both refuse on gloo; a factor of N changes
+    nothing, force-sum (a post-division instead of AVG) and 2.5 do; with
+    ``set_reduce_scatter_unused_params`` an expert that only rank 0 runs trains as torch's."""
+    for ranks in worker.values():
+        for r in ranks:
+            cases = r["reduction_options"]
+            for name in ("default", "factor_n", "force_sum", "factor_2.5_force_sum",
+                         "unused_reduced"):
+                case = cases[name]
+                assert case["errors"] == {"ours": None, "torch": None}, (name, case["errors"])
+                assert case["vs_torch"] is None and case["losses_equal"], (name, case["vs_torch"])
+            premul = cases["factor_2.5_premul"]["errors"]
+            assert all("PREMUL_SUM" in (premul[k] or "") for k in ("ours", "torch")), premul
+            assert cases["factor_n"]["off_default"] == 0.0
+            assert cases["factor_2.5_force_sum"]["off_default"] > 1e-3

@@ -202,6 +202,29 @@ def test_gradient_divide_factors_are_torchs(n):
         assert mixed_precision.gradient_divide_factors(n, dtype) == (pre, post, op), (n, dtype)
 
 
+@pytest.mark.parametrize("n", [2, 3, 4, 8])
+def test_gradient_divide_factor_and_force_sum_are_torchs(n):
+    """Note [divide factor]: with ``set_gradient_divide_factor`` and / or
+    ``set_force_sum_reduction_for_comms``, the same pre / post divisions and op as torch's
+    (a PREMUL_SUM where torch makes one: its factor is not readable back from the op)."""
+    group = type("Group", (), {"size": lambda self: n})()
+    for dtype in (fp32, bf16, fp16):
+        for factor in (None, float(n), 2.5, 6.0, 16.0):
+            for force in (False, True):
+                pre, post, op, _ = _get_gradient_divide_factors(group, None, dtype, "cpu",
+                                                                factor, force)
+                ours = mixed_precision.gradient_divide_factors(n, dtype, factor=factor,
+                                                               force_sum=force)
+                where = (n, dtype, factor, force)
+                assert ours[:2] == (pre, post), (where, ours, (pre, post))
+                if "PREMUL" in str(op):
+                    assert "PREMUL" in str(ours[2]) and factor not in (None, float(n)), where
+                else:
+                    assert ours[2] == op, (where, ours[2], op)
+    with pytest.raises(NotImplementedError, match="HSDP"):
+        mixed_precision.gradient_divide_factors(2, fp32, replicate_size=2, factor=3.0)
+
+
 def test_dtypes_of_every_tensor(mesh):
     """Note [mixed precision]'s table, read off a step: fp32 DTensor shards before and after;
     bf16 unsharded parameters in forward; bf16 unsharded gradients; an fp32 sharded .grad."""

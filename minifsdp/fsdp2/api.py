@@ -157,6 +157,34 @@ class FSDPModule:
         for group in self._groups(recurse):
             group.set_reshard_after_forward(reshard_after_forward)
 
+    def set_gradient_divide_factor(self, factor: float) -> None:
+        """Divide this module's summed gradients by ``factor`` instead of the number of ranks
+        (e.g. the global token count when the loss is a sum). This module's group only, as
+        torch's. On gloo a ``factor`` other than N needs
+        ``set_force_sum_reduction_for_comms(True)`` (Note [divide factor] in
+        ``mixed_precision.py``)::
+
+            for m in model.modules():
+                if isinstance(m, FSDPModule):
+                    m.set_gradient_divide_factor(float(tokens_in_global_batch))
+        """
+        if self.fsdp_state.group is not None:
+            self.fsdp_state.group.gradient_divide_factor = factor
+
+    def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
+        """Reduce with SUM only, dividing before / after the collective instead of inside it
+        (AVG, PREMUL_SUM); this module's group only, as torch's (Note [divide factor])."""
+        if self.fsdp_state.group is not None:
+            self.fsdp_state.group.force_sum_reduction_for_comms = enable
+
+    def set_reduce_scatter_unused_params(self, reduce_scatter_unused_params: bool, *,
+                                         recurse: bool = True) -> None:
+        """``True``: reduce-scatter a zero gradient for every parameter that requires one and
+        got none in this backward, so ranks that took different branches send the same bytes
+        (Note [unused parameters] in ``fsdp_param_group.py``)."""
+        for group in self._groups(recurse):
+            group.reduce_scatter_unused_params = reduce_scatter_unused_params
+
     def set_modules_to_forward_prefetch(self, modules: list[FSDPModule]) -> None:
         """After this module's all-gather in forward, issue those of ``modules``, in order
         (torch's API). Replaces the implicit forward guess for this module; ``[]`` goes back

@@ -78,6 +78,14 @@ Note [accumulating without communication]: ``set_requires_gradient_sync(False)``
 next backward's autograd adds into it. The unsharded parameter is still freed after backward,
 but the gradients are full-size: accumulating this way costs DDP's gradient memory. The
 first backward with sync on reduce-scatters the sum.
+
+Note [unused parameters]: a group reduce-scatters the gradients its parameters *got*. If
+ranks take different branches (mixture of experts, a multimodal model whose batch lacks one
+modality on some ranks), they reduce-scatter different sets of parameters: inputs of
+different sizes in one collective, which NCCL can hang on and gloo refuses. As torch's
+``set_reduce_scatter_unused_params(True)`` (DDP's ``find_unused_parameters``), every
+parameter that requires a gradient then goes in, a zero gradient where it got none, so each
+rank sends the same bytes (and the unused ones' gradients become the others' average).
 """
 
 from __future__ import annotations
@@ -164,6 +172,11 @@ class FSDPParamGroup:
         self.all_reduce_grads = True  # set_requires_all_reduce (HSDP)
         self.partial_reduce_output: torch.Tensor | None = None  # Note [HSDP accumulation]
         self.reshard_after_backward = True
+        # torch's FSDPModule setters of the same names (Note [divide factor] in
+        # mixed_precision.py; Note [unused parameters] below)
+        self.gradient_divide_factor: float | None = None
+        self.force_sum_reduction_for_comms = False
+        self.reduce_scatter_unused_params = False
 
     def set_reshard_after_forward(self, reshard_after_forward: bool | int | None) -> None:
         """A bool, ``None`` (decided at lazy init) or an int k (Note [reshard to k ranks])."""
@@ -363,6 +376,13 @@ class FSDPParamGroup:
                 p.to_accumulated_grad_if_needed()
             return
         grads = [p.take_unsharded_grad() for p in with_grad]  # now the only references
+        if self.reduce_scatter_unused_params:  # Note [unused parameters]
+            had = dict(zip(with_grad, grads))
+            with_grad = [p for p in self.fsdp_params if p in had or (
+                p.unsharded_param is not None and p.unsharded_param.requires_grad)]
+            grads = [had[p] if p in had else torch.zeros_like(p.unsharded_param)
+                     for p in with_grad]
+            had.clear()
         if self.reshard_after_backward:
             self.reshard()  # before the copy-in: params and the buffer need not coexist
         if with_grad:

@@ -188,7 +188,8 @@ def check_backend(dtypes: GroupDtypes, process_group: dist.ProcessGroup, device_
 
 
 def gradient_divide_factors(world_size: int, reduce_dtype: torch.dtype,
-                            replicate_size: int = 1) -> tuple[float | None, float | None, Any]:
+                            replicate_size: int = 1, factor: float | None = None,
+                            force_sum: bool = False) -> tuple[float | None, float | None, Any]:
     """``(pre, post, op)``: divide the reduce-scatter input by ``pre``, reduce with ``op``,
     divide the output by ``post`` -- together an average over ``world_size`` ranks (torch:
     ``_get_gradient_divide_factors``). fp32 and bf16 have fp32's range: let the backend
@@ -199,19 +200,48 @@ def gradient_divide_factors(world_size: int, reduce_dtype: torch.dtype,
     all-reduce's, which runs between the reduce-scatter and ``post``; N is then R S (torch's
     ``data_parallel_size``): AVG twice for fp32 / bf16, else ``pre`` and ``post`` over R S.
 
+    Note [divide factor]: ``factor`` (``FSDPModule.set_gradient_divide_factor``) divides the
+    sum by ``factor`` instead of N, e.g. a token count, or N x the micro-batches. fp32 / bf16
+    then reduce with AVG when ``factor`` is N, else NCCL's ``PREMUL_SUM(1 / factor)``, which
+    scales inside the collective and which gloo does not have (torch refuses it there, as we
+    do). ``force_sum`` (``set_force_sum_reduction_for_comms``) asks for SUM in every case,
+    scaling before and after the collective instead (NCCL's zero-copy transfers, gloo); the
+    division then moves after the reduction, or around it for fp16. A world of one runs no
+    collective: the input is only divided by ``factor`` (torch copies ``input / factor``; with
+    ``force_sum`` or fp16 torch 2.14 then also applies its post-factor, dividing twice; we
+    divide once).
+    minifsdp takes ``factor`` on a 1-D mesh only: for HSDP torch divides within the shard
+    group and sums across replicas, two ops where this function returns one.
+
     Example:
         >>> gradient_divide_factors(4, torch.float16)
         (2, 2.0, <RedOpType.SUM: 0>)
         >>> gradient_divide_factors(2, torch.float16, replicate_size=2)   # HSDP 2 x 2
         (2, 2.0, <RedOpType.SUM: 0>)
+        >>> gradient_divide_factors(4, torch.float32, factor=8.0, force_sum=True)
+        (None, 8.0, <RedOpType.SUM: 0>)
     """
     ranks = world_size * replicate_size
-    if reduce_dtype in (torch.float32, torch.bfloat16):
-        return None, None, ReduceOp.AVG if ranks > 1 else ReduceOp.SUM
+    overflow_risk = reduce_dtype not in (torch.float32, torch.bfloat16)
+    if factor is not None and replicate_size > 1:
+        raise NotImplementedError("set_gradient_divide_factor on an HSDP mesh: minifsdp divides "
+                                  "on a 1-D mesh only (Note [divide factor])")
+    if factor is not None and ranks == 1 and not overflow_risk:
+        return None, factor, ReduceOp.SUM  # no collective: the input over factor
+    if not overflow_risk and not force_sum:
+        if factor is None:
+            return None, None, ReduceOp.AVG if ranks > 1 else ReduceOp.SUM
+        if factor == world_size:
+            return None, None, ReduceOp.AVG
+        return None, None, dist._make_nccl_premul_sum(1 / factor)
+    if factor is None:
+        factor = float(ranks)
+    if not overflow_risk:
+        return None, factor, ReduceOp.SUM  # post-divide: less data than pre
     pre = 1
-    while ranks % pre == 0 and ranks / pre > pre:
+    while factor % pre == 0 and factor / pre > pre:
         pre *= 2
-    return pre, ranks / pre, ReduceOp.SUM
+    return pre, factor / pre, ReduceOp.SUM
 
 
 def divide_if_needed(tensor: torch.Tensor, factor: float | None) -> None:

@@ -60,7 +60,9 @@ def reduce_grads(group: FSDPParamGroup, flat: torch.Tensor) -> torch.Tensor | No
     the slot across the replicate group, with torch's divide factors
     (``gradient_divide_factors``; Note [HSDP] in hsdp.py). ``flat``'s storage is freed."""
     pre, post, op = gradient_divide_factors(group.world_size, flat.dtype,
-                                            group.mesh_info.replicate_size)
+                                            group.mesh_info.replicate_size,
+                                            group.gradient_divide_factor,
+                                            group.force_sum_reduction_for_comms)
     divide_if_needed(flat, pre)
     out = flat.new_empty(flat.numel() // group.world_size)
     # the sharded grads view the output -- unless it is cast up later, then it is transient

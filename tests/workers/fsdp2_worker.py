@@ -284,6 +284,70 @@ def state_dicts() -> dict:
     }
 
 
+class Branchy(nn.Module):
+    """``(B, 8) -> (B, 3)`` whose ``expert`` only rank 0 runs (a mixture-of-experts route):
+    Note [unused parameters]."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp, self.expert, self.head = nn.Linear(8, 16), nn.Linear(16, 16), nn.Linear(16, 3)
+
+    def forward(self, x):
+        h = torch.tanh(self.inp(x))
+        return self.head(h + self.expert(h) if rank == 0 else h)
+
+
+def branchy() -> Branchy:
+    torch.manual_seed(0)
+    return Branchy().to(info.device)
+
+
+def reduction_case(configure, make=net, shard_fn=shard) -> dict:
+    """Ours and torch's ``fully_shard`` with ``configure(m)`` called on every FSDPModule:
+    the first divergence (None: bitwise) and each one's error, if one raised."""
+    from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
+
+    out = {}
+    for name, fs in (("ours", fsdp2.fully_shard), ("torch", torch_fully_shard)):
+        model = shard_fn(make(), fs)
+        for m in model.modules():
+            if isinstance(m, (fsdp2.FSDPModule, TorchFSDPModule)):
+                configure(m)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)  # Adam would hide a gradient's scale
+        try:
+            losses = train(model, opt, True)[0]
+            out[name] = {"losses": losses, "params": full_params(model)}
+        except RuntimeError as e:
+            out[name] = {"error": str(e).splitlines()[0][:200]}
+    both = all("params" in out[k] for k in ("ours", "torch"))
+    return {"errors": {k: out[k].get("error") for k in out},
+            "vs_torch": divergence_line(out["ours"]["params"], out["torch"]["params"],
+                                        names=("fsdp2", "torch"), where=AT) if both else "n/a",
+            "losses_equal": both and out["ours"]["losses"] == out["torch"]["losses"],
+            "params": out["ours"].get("params")}
+
+
+def reduction_options() -> dict:
+    """``set_gradient_divide_factor``, ``set_force_sum_reduction_for_comms`` (Note [divide
+    factor]) and ``set_reduce_scatter_unused_params`` (Note [unused parameters]), ours
+    against torch's."""
+    cases = {
+        "default": reduction_case(lambda m: None),
+        "factor_n": reduction_case(lambda m: m.set_gradient_divide_factor(float(N))),
+        "force_sum": reduction_case(lambda m: m.set_force_sum_reduction_for_comms(True)),
+        "factor_2.5_force_sum": reduction_case(lambda m: (
+            m.set_gradient_divide_factor(2.5), m.set_force_sum_reduction_for_comms(True))),
+        "factor_2.5_premul": reduction_case(lambda m: m.set_gradient_divide_factor(2.5)),
+        "unused_reduced": reduction_case(lambda m: m.set_reduce_scatter_unused_params(True),
+                                         make=branchy, shard_fn=lambda m, fs: fs(m, mesh=mesh)),
+    }
+    default = cases["default"]["params"]
+    for name, case in cases.items():  # did the option change anything? (max |ours - default|)
+        p = case.pop("params")
+        case["off_default"] = max_abs_diff(p, default) if p and name != "unused_reduced" else None
+    return cases
+
+
 def errors() -> dict:
     out = {}
     model = shard(net(), fsdp2.fully_shard)
@@ -317,5 +381,6 @@ out = {
     "whole_unit_checkpointing": whole_unit_checkpointing(),
     "state_dict": state_dicts(),
     "errors": errors(),
+    "reduction_options": reduction_options(),
 }
 finish(out)
