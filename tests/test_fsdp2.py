@@ -595,7 +595,7 @@ def test_memory_categories_of_a_step(mesh):
 
 
 def test_worker_reduction_options_are_torchs(worker):
-    """Note [divide factor], Note [unused parameters]: with each option ours and torch's
+    """Note [divide factor], Note [unused parameters in a group]: with each option ours and torch's
     ``fully_shard`` train to the same bits (N = 2, 3); a factor other than N without
     force-sum needs NCCL's PREMUL_SUM, which both refuse on gloo; a factor of N changes
     nothing, force-sum (a post-division instead of AVG) and 2.5 do; with

@@ -181,7 +181,7 @@ class FSDPModule:
                                          recurse: bool = True) -> None:
         """``True``: reduce-scatter a zero gradient for every parameter that requires one and
         got none in this backward, so ranks that took different branches send the same bytes
-        (Note [unused parameters] in ``fsdp_param_group.py``)."""
+        (Note [unused parameters in a group] in ``fsdp_param_group.py``)."""
         for group in self._groups(recurse):
             group.reduce_scatter_unused_params = reduce_scatter_unused_params
 

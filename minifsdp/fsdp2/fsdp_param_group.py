@@ -79,7 +79,7 @@ next backward's autograd adds into it. The unsharded parameter is still freed af
 but the gradients are full-size: accumulating this way costs DDP's gradient memory. The
 first backward with sync on reduce-scatters the sum.
 
-Note [unused parameters]: a group reduce-scatters the gradients its parameters *got*. If
+Note [unused parameters in a group]: a group reduce-scatters the gradients its parameters *got*. If
 ranks take different branches (mixture of experts, a multimodal model whose batch lacks one
 modality on some ranks), they reduce-scatter different sets of parameters: inputs of
 different sizes in one collective, which NCCL can hang on and gloo refuses. As torch's
@@ -173,7 +173,7 @@ class FSDPParamGroup:
         self.partial_reduce_output: torch.Tensor | None = None  # Note [HSDP accumulation]
         self.reshard_after_backward = True
         # torch's FSDPModule setters of the same names (Note [divide factor] in
-        # mixed_precision.py; Note [unused parameters] below)
+        # mixed_precision.py; Note [unused parameters in a group] below)
         self.gradient_divide_factor: float | None = None
         self.force_sum_reduction_for_comms = False
         self.reduce_scatter_unused_params = False
@@ -376,7 +376,7 @@ class FSDPParamGroup:
                 p.to_accumulated_grad_if_needed()
             return
         grads = [p.take_unsharded_grad() for p in with_grad]  # now the only references
-        if self.reduce_scatter_unused_params:  # Note [unused parameters]
+        if self.reduce_scatter_unused_params:  # Note [unused parameters in a group]
             had = dict(zip(with_grad, grads))
             with_grad = [p for p in self.fsdp_params if p in had or (
                 p.unsharded_param is not None and p.unsharded_param.requires_grad)]

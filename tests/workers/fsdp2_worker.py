@@ -286,7 +286,7 @@ def state_dicts() -> dict:
 
 class Branchy(nn.Module):
     """``(B, 8) -> (B, 3)`` whose ``expert`` only rank 0 runs (a mixture-of-experts route):
-    Note [unused parameters]."""
+    Note [unused parameters in a group]."""
 
     def __init__(self):
         super().__init__()
@@ -329,7 +329,7 @@ def reduction_case(configure, make=net, shard_fn=shard) -> dict:
 
 def reduction_options() -> dict:
     """``set_gradient_divide_factor``, ``set_force_sum_reduction_for_comms`` (Note [divide
-    factor]) and ``set_reduce_scatter_unused_params`` (Note [unused parameters]), ours
+    factor]) and ``set_reduce_scatter_unused_params`` (Note [unused parameters in a group]), ours
     against torch's."""
     cases = {
         "default": reduction_case(lambda m: None),
