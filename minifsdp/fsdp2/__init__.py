@@ -38,17 +38,16 @@ Usage::
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)   # works on DTensor grads
     sd = full_state_dict(model)                   # plain full tensors on every rank
 
-Notes to cite: [the tensors of one parameter], [dim-0 chunks], [padding], [who owns the
-shard's storage] (fsdp_param.py); [copy-in and copy-out], [freeing with resize_], [version
-counter], [FSDP2 memory categories], [accumulating without communication], [unused
-parameters in a group] (fsdp_param_group.py); [when is a group's backward over?] (fsdp_state.py); [bottom-up],
-[the class swap], [state dicts], [meta-device init] (api.py); [issue and wait], [which group
-is next], [same order on every rank], [mistargeted prefetches], [prefetch memory], [prefetch
-on GPUs] (prefetch.py); [mixed precision], [gloo dtypes], [divide factor] (mixed_precision.py),
-[accumulating
-in the reduce dtype] (fsdp_param.py); [recomputed in backward] (fsdp_state.py); [HSDP], [HSDP
-accumulation], [reshard to k ranks] (hsdp.py); [all-gather extensions] (fsdp_param.py), [FP8
-all-gather], [where ours is simpler than torchao] (float8.py).
+Notes to cite: [the tensors of one parameter], [dim-0 chunks], [padding], [who owns the shard's
+storage] (fsdp_param.py); [copy-in and copy-out], [freeing with resize_], [version counter],
+[FSDP2 memory categories], [accumulating without communication], [unused parameters in a group]
+(fsdp_param_group.py); [when is a group's backward over?] (fsdp_state.py); [bottom-up], [the
+class swap], [state dicts], [meta-device init] (api.py); [issue and wait], [which group is
+next], [same order on every rank], [mistargeted prefetches], [prefetch memory], [prefetch on
+GPUs] (prefetch.py); [mixed precision], [gloo dtypes], [divide factor] (mixed_precision.py),
+[accumulating in the reduce dtype] (fsdp_param.py); [recomputed in backward] (fsdp_state.py);
+[HSDP], [HSDP accumulation], [reshard to k ranks] (hsdp.py); [all-gather extensions]
+(fsdp_param.py), [FP8 all-gather], [where ours is simpler than torchao] (float8.py).
 
 Mixed precision (chapter 07): ``fully_shard(m, mesh=mesh, mp_policy=MixedPrecisionPolicy(
 param_dtype=torch.bfloat16, reduce_dtype=torch.float32))`` -- bf16 all-gathers and compute,
