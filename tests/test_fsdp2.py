@@ -612,3 +612,15 @@ def test_worker_reduction_options_are_torchs(worker):
             assert all("PREMUL_SUM" in (premul[k] or "") for k in ("ours", "torch")), premul
             assert cases["factor_n"]["off_default"] == 0.0
             assert cases["factor_2.5_force_sum"]["off_default"] > 1e-3
+
+
+def test_worker_ignored_params_are_torchs(worker):
+    """``ignored_params``: the ignored ``scale`` stays a plain ``Parameter`` under both, ours
+    trains bit for bit as torch's on every rank, and ``scale``'s value differs across ranks
+    (each rank stepped on its own gradient: nothing reduced it)."""
+    for ranks in worker.values():
+        for r in ranks:
+            case = r["ignored_params"]
+            assert case["vs_torch"] is None and case["losses_equal"], case["vs_torch"]
+            assert case["scale_type"] == ["Parameter", "Parameter"]
+        assert len({r["ignored_params"]["scale"] for r in ranks}) == len(ranks)

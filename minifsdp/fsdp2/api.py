@@ -252,7 +252,8 @@ _NO_MIXED_PRECISION = MixedPrecisionPolicy()  # frozen, so one instance can be t
 
 def fully_shard(module: nn.Module, *, mesh: DeviceMesh | None = None,
                 reshard_after_forward: bool | int | None = None,
-                mp_policy: MixedPrecisionPolicy = _NO_MIXED_PRECISION) -> nn.Module:
+                mp_policy: MixedPrecisionPolicy = _NO_MIXED_PRECISION,
+                ignored_params: set[nn.Parameter] | None = None) -> nn.Module:
     """Shard ``module``'s parameters (those no nested ``fully_shard`` took) on dim 0 over
     ``mesh`` as one group, install the hooks, and return the same module (Note [bottom-up]).
 
@@ -270,6 +271,10 @@ def fully_shard(module: nn.Module, *, mesh: DeviceMesh | None = None,
             cast the forward inputs (Note [mixed precision] in ``mixed_precision.py``).
             Default: no mixed precision. Dtypes the backend cannot communicate (float8 on
             gloo) and parameters of several dtypes in one group are refused here.
+        ignored_params: parameters this call leaves alone, as torch's: not sharded, not
+            gathered, their gradients not reduced (each rank keeps its own; a parent's call
+            takes them unless it is given them too). E.g. a per-rank bias, or parameters
+            another parallelism manages.
 
     Parameters must already be on the mesh's device, or on ``meta`` (Note [meta-device
     init]). Frozen parameters (``requires_grad=False``) are gathered with the rest but get
@@ -289,7 +294,7 @@ def fully_shard(module: nn.Module, *, mesh: DeviceMesh | None = None,
         device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
         mesh = init_device_mesh(device_type, (dist.get_world_size(),))
     mesh_info(mesh)  # refuses a mesh that is neither FSDP's 1-D nor HSDP's 2-D, before changes
-    params = _managed_params(module)
+    params = _managed_params(module, ignored_params or set())
     for p, owners in params:
         if p.device.type not in (mesh.device_type, "meta"):
             module_, name = owners[0]
@@ -306,9 +311,10 @@ def fully_shard(module: nn.Module, *, mesh: DeviceMesh | None = None,
     return module
 
 
-def _managed_params(root: nn.Module) -> list[tuple[nn.Parameter, Owners]]:
-    """The parameters in ``root``'s subtree outside nested ``fully_shard`` modules, in
-    ``named_parameters`` order, each with every (module, name) that holds it."""
+def _managed_params(root: nn.Module, ignored: set[nn.Parameter]
+                    ) -> list[tuple[nn.Parameter, Owners]]:
+    """The parameters in ``root``'s subtree outside nested ``fully_shard`` modules and not in
+    ``ignored``, in ``named_parameters`` order, each with every (module, name) holding it."""
     found: dict[nn.Parameter, Owners] = {}
     seen: set[nn.Module] = set()
 
@@ -317,7 +323,7 @@ def _managed_params(root: nn.Module) -> list[tuple[nn.Parameter, Owners]]:
             return  # a module shared twice, or one a nested fully_shard manages
         seen.add(module)
         for name, p in module._parameters.items():
-            if p is None:
+            if p is None or p in ignored:
                 continue
             if getattr(p, "_fsdp2_sharded", False) or isinstance(p, DTensor):
                 raise ValueError(

@@ -348,6 +348,28 @@ def reduction_options() -> dict:
     return cases
 
 
+def ignored_params() -> dict:
+    """``fully_shard(..., ignored_params={scale})`` on the root, ours and torch's: ``scale``
+    stays a plain parameter whose gradient each rank keeps (so it differs across ranks), the
+    rest trains as without it; ours == torch's bit for bit on every rank."""
+    out = {}
+    for name, fs in (("ours", fsdp2.fully_shard), ("torch", torch_fully_shard)):
+        model = net()
+        fs(model.mid, mesh=mesh)
+        fs(model.narrow, mesh=mesh)
+        fs(model, mesh=mesh, ignored_params={model.scale})
+        opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+        losses = train(model, opt, True)[0]
+        out[name] = {"losses": losses, "params": full_params(model),
+                     "scale_type": type(model.scale).__name__}
+    ours, theirs = out["ours"], out["torch"]
+    return {"vs_torch": divergence_line(ours["params"], theirs["params"], names=("fsdp2", "torch"),
+                                        where=AT),
+            "losses_equal": ours["losses"] == theirs["losses"],
+            "scale_type": [ours["scale_type"], theirs["scale_type"]],
+            "scale": float(ours["params"]["scale"])}
+
+
 def errors() -> dict:
     out = {}
     model = shard(net(), fsdp2.fully_shard)
@@ -382,5 +404,6 @@ out = {
     "state_dict": state_dicts(),
     "errors": errors(),
     "reduction_options": reduction_options(),
+    "ignored_params": ignored_params(),
 }
 finish(out)
