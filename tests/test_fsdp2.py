@@ -624,3 +624,19 @@ def test_worker_ignored_params_are_torchs(worker):
             assert case["vs_torch"] is None and case["losses_equal"], case["vs_torch"]
             assert case["scale_type"] == ["Parameter", "Parameter"]
         assert len({r["ignored_params"]["scale"] for r in ranks}) == len(ranks)
+
+
+def test_worker_reset_iter_state_after_an_exception_is_torchs(worker):
+    """``reset_iter_state`` after a forward cut short inside a group (every rank): the next
+    iteration trains as torch's does after its reset, bit for bit, and as a run that never
+    failed, with the same collectives in the same order (without the reset, the cut forward's
+    stale backward counts hold ``narrow``'s reduce-scatter until the end of backward); on a
+    non-root module both refuse it (naming the root)."""
+    for ranks in worker.values():
+        for r in ranks:
+            case = r["reset_after_exception"]
+            assert case["failed"] == [True, True]
+            assert case["vs_torch"] is None and case["vs_clean"] is None, case
+            assert case["losses_equal"]
+            assert case["ops"]["ours"] == case["ops"]["clean"] != [], case["ops"]
+            assert all(m and "root" in m for m in case["non_root"]), case["non_root"]

@@ -112,6 +112,21 @@ class FSDPModule:
         if self.fsdp_state.group is not None:
             self.fsdp_state.group.reshard()
 
+    def reset_iter_state(self) -> None:
+        """Recover from an exception that cut a forward or backward short: call it on the
+        root, then run the next iteration as usual (torch's). Every group is resharded with
+        nothing in flight and the lost iteration's gradients are dropped; under gradient
+        accumulation, restart the step's micro-batches. Without it, the next forward starts
+        from the cut one's half-finished state::
+
+            try:
+                loss = loss_fn(model(x), y)
+            except RuntimeError:
+                model.reset_iter_state()
+                opt.zero_grad()
+        """
+        self.fsdp_state.reset_iter_state()
+
     def set_requires_gradient_sync(self, requires_gradient_sync: bool, *,
                                    recurse: bool = True) -> None:
         """``False``: backward keeps full unsharded gradients and skips the reduce-scatter,

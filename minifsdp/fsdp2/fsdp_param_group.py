@@ -394,6 +394,19 @@ class FSDPParamGroup:
             self.post_backward()
         self.training_state = TrainingState.IDLE
 
+    def reset_iter_state(self) -> None:
+        """After an exception cut a forward or backward short: drop any all-gather in flight,
+        HSDP's partial sum and the unsharded gradients, and reshard (torch's
+        ``FSDPParamGroup._reset_iter_state``; ``FSDPModule.reset_iter_state`` calls it)."""
+        self.discard_unshard()
+        self.partial_reduce_output = None
+        for p in self.fsdp_params:
+            p.unsharded_accumulated_grad = None
+            if p.unsharded_param is not None:
+                p.unsharded_param.grad = None
+        self.reshard()
+        self.training_state = TrainingState.IDLE
+
     def __repr__(self) -> str:
         return (f"FSDPParamGroup({self.name!r}, {len(self.fsdp_params)} params, "
                 f"{self.sharded_state.name}, {self.training_state.name})")

@@ -241,6 +241,26 @@ class FSDPState:
         prefetch.end_backward(self.ctx)
         self.ctx.callback_queued = False
 
+    def reset_iter_state(self) -> None:
+        """The root's recovery after an exception cut a forward or backward short (torch's
+        ``FSDPState._reset_iter_state``): every group resharded with nothing in flight, the
+        backward counters and orders of the lost iteration forgotten. The next forward starts
+        clean; the lost iteration's gradients are gone."""
+        if self.is_root is False:
+            raise RuntimeError("reset_iter_state must be called on the root FSDP module (the "
+                               f"one forward runs through first), not on this "
+                               f"{type(self.module).__name__}")
+        for state in self.ctx.states:
+            if state.group is not None:
+                state.group.reset_iter_state()
+            state.training_state = TrainingState.IDLE
+            state._pending, state._params_counted = 0, False
+            state.post_forward_indices.clear()
+        # the cut forward's order is partial: keep guessing from the last whole one
+        self.ctx.forward_order = self.ctx.last_forward_order
+        self.ctx.post_forward_order.clear()
+        self.ctx.callback_queued = False  # a cut backward's callback never runs
+
 
 class _PostBackwardBarrier(torch.autograd.Function):
     """Identity on the forward inputs; its backward tells the state that the gradient w.r.t.

@@ -370,6 +370,65 @@ def ignored_params() -> dict:
             "scale": float(ours["params"]["scale"])}
 
 
+def reset_after_exception() -> dict:
+    """Step 2's first forward raises inside ``narrow`` (after ``mid`` is gathered) on every
+    rank; ``reset_iter_state()`` on the root, ``zero_grad``, and step 2 runs again. Ours and
+    torch's train to the same bits, and ours as an uninterrupted run. Also: calling it on a
+    non-root module is refused by both."""
+    from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
+
+    out = {}
+    for name, fs, interrupt in (("ours", fsdp2.fully_shard, True),
+                                ("torch", torch_fully_shard, True),
+                                ("clean", fsdp2.fully_shard, False)):
+        model = shard(net(), fs)
+        opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+        fail = {"left": 1 if interrupt else 0}
+
+        def boom(*_, fail=fail):
+            if fail["left"]:
+                fail["left"] -= 1
+                raise RuntimeError("injected failure in narrow's forward")
+
+        losses, ops = [], []
+        for step in range(STEPS):
+            x, y = batch(step, 0)
+            x, y = x.chunk(N)[rank], y.chunk(N)[rank]
+            if step == 1 and interrupt:  # the cut forward, then the recovery
+                handle = model.narrow.register_forward_pre_hook(boom)
+                try:
+                    model(x)
+                except RuntimeError:
+                    model.reset_iter_state()
+                    opt.zero_grad()
+                handle.remove()
+            with comm.logging_comm() as log:
+                loss = F.cross_entropy(model(x), y)
+                loss.backward()
+            if step == 1:  # the retried (or uninterrupted) step's collectives, in order
+                ops = [f"{r.op} {r.tag.split()[-1]}" for r in log.records if r.kind == "comm"]
+            losses.append(loss.item())
+            opt.step()
+            opt.zero_grad()
+        try:
+            model.mid.reset_iter_state()
+            non_root = None
+        except RuntimeError as e:
+            non_root = str(e)
+        assert isinstance(model, (fsdp2.FSDPModule, TorchFSDPModule))
+        out[name] = {"losses": losses, "params": full_params(model), "non_root": non_root,
+                     "failed": fail["left"] == 0 and interrupt, "ops": ops}
+    return {"vs_torch": divergence_line(out["ours"]["params"], out["torch"]["params"],
+                                        names=("fsdp2", "torch"), where=AT),
+            "vs_clean": divergence_line(out["ours"]["params"], out["clean"]["params"],
+                                        names=("fsdp2 reset", "fsdp2 uninterrupted"), where=AT),
+            "losses_equal": out["ours"]["losses"] == out["torch"]["losses"]
+            == out["clean"]["losses"],
+            "failed": [out[k]["failed"] for k in ("ours", "torch")],
+            "ops": {k: out[k]["ops"] for k in ("ours", "clean")},
+            "non_root": [out[k]["non_root"] for k in ("ours", "torch")]}
+
+
 def errors() -> dict:
     out = {}
     model = shard(net(), fsdp2.fully_shard)
@@ -405,5 +464,6 @@ out = {
     "errors": errors(),
     "reduction_options": reduction_options(),
     "ignored_params": ignored_params(),
+    "reset_after_exception": reset_after_exception(),
 }
 finish(out)
