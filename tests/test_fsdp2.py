@@ -598,13 +598,14 @@ def test_worker_reduction_options_are_torchs(worker):
     """Note [divide factor], Note [unused parameters in a group]: with each option ours and torch's
     ``fully_shard`` train to the same bits (N = 2, 3); a factor other than N without
     force-sum needs NCCL's PREMUL_SUM, which both refuse on gloo; a factor of N changes
-    nothing, force-sum (a post-division instead of AVG) and 2.5 do; with
+    nothing, force-sum (a post-division instead of AVG) and 2.5 do; an all-reduce hook runs
+    where torch's does (an add before the post-division tells); with
     ``set_reduce_scatter_unused_params`` an expert that only rank 0 runs trains as torch's."""
     for ranks in worker.values():
         for r in ranks:
             cases = r["reduction_options"]
             for name in ("default", "factor_n", "force_sum", "factor_2.5_force_sum",
-                         "unused_reduced"):
+                         "unused_reduced", "all_reduce_hook", "hook_force_sum"):
                 case = cases[name]
                 assert case["errors"] == {"ours": None, "torch": None}, (name, case["errors"])
                 assert case["vs_torch"] is None and case["losses_equal"], (name, case["vs_torch"])
@@ -612,6 +613,8 @@ def test_worker_reduction_options_are_torchs(worker):
             assert all("PREMUL_SUM" in (premul[k] or "") for k in ("ours", "torch")), premul
             assert cases["factor_n"]["off_default"] == 0.0
             assert cases["factor_2.5_force_sum"]["off_default"] > 1e-3
+            assert cases["all_reduce_hook"]["off_default"] > 1e-3
+            assert cases["hook_force_sum"]["off_default"] > 1e-3
 
 
 def test_worker_ignored_params_are_torchs(worker):

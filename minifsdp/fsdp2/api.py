@@ -54,6 +54,8 @@ would make them agree needs a CUDA-like device).
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -185,6 +187,29 @@ class FSDPModule:
         """
         if self.fsdp_state.group is not None:
             self.fsdp_state.group.gradient_divide_factor = factor
+
+    def set_reduce_scatter_divide_factor(self, factor: float) -> None:
+        """Deprecated in torch: ``set_gradient_divide_factor``."""
+        warnings.warn("Use `set_gradient_divide_factor` instead", DeprecationWarning,
+                      stacklevel=2)
+        self.set_gradient_divide_factor(factor)
+
+    def set_all_reduce_hook(self, hook, *, stream=None) -> None:
+        """Call ``hook(out)`` on this group's reduced gradient slot (1-D, in the reduce dtype)
+        every reducing backward: after the reduce-scatter, or after HSDP's all-reduce, and
+        before the post-division (torch's place for it). E.g. an all-reduce over a data
+        parallel dimension FSDP does not know of::
+
+            model.set_all_reduce_hook(lambda g: dist.all_reduce(g, group=dp_group))
+
+        This module's group only. ``stream`` (torch: a CUDA stream to run it on) is refused:
+        minifsdp runs everything on the current stream (Note [GPUs] in fsdp_param_group.py).
+        """
+        if stream is not None:
+            raise NotImplementedError("set_all_reduce_hook(stream=...): minifsdp runs the hook "
+                                      "on the current stream (Note [GPUs])")
+        if self.fsdp_state.group is not None:
+            self.fsdp_state.group.all_reduce_hook = hook
 
     def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
         """Reduce with SUM only, dividing before / after the collective instead of inside it

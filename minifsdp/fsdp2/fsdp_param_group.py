@@ -177,6 +177,7 @@ class FSDPParamGroup:
         self.gradient_divide_factor: float | None = None
         self.force_sum_reduction_for_comms = False
         self.reduce_scatter_unused_params = False
+        self.all_reduce_hook = None  # set_all_reduce_hook: called on the reduced slot
 
     def set_reshard_after_forward(self, reshard_after_forward: bool | int | None) -> None:
         """A bool, ``None`` (decided at lazy init) or an int k (Note [reshard to k ranks])."""

@@ -86,6 +86,8 @@ def reduce_grads(group: FSDPParamGroup, flat: torch.Tensor) -> torch.Tensor | No
             group.partial_reduce_output = None
         comm.all_reduce(out, op, group.replicate_group,
                         tag=f"fsdp2 grads-allreduce {group.name}")
+    if group.all_reduce_hook is not None:  # FSDPModule.set_all_reduce_hook, as torch: here
+        group.all_reduce_hook(out)
     divide_if_needed(out, post)
     return out
 

@@ -335,9 +335,13 @@ def reduction_options() -> dict:
         "default": reduction_case(lambda m: None),
         "factor_n": reduction_case(lambda m: m.set_gradient_divide_factor(float(N))),
         "force_sum": reduction_case(lambda m: m.set_force_sum_reduction_for_comms(True)),
+        "hook_force_sum": reduction_case(lambda m: (  # an add: before the post-division?
+            m.set_force_sum_reduction_for_comms(True),
+            m.set_all_reduce_hook(lambda g: g.add_(0.1)))),
         "factor_2.5_force_sum": reduction_case(lambda m: (
             m.set_gradient_divide_factor(2.5), m.set_force_sum_reduction_for_comms(True))),
         "factor_2.5_premul": reduction_case(lambda m: m.set_gradient_divide_factor(2.5)),
+        "all_reduce_hook": reduction_case(lambda m: m.set_all_reduce_hook(lambda g: g.mul_(0.75))),
         "unused_reduced": reduction_case(lambda m: m.set_reduce_scatter_unused_params(True),
                                          make=branchy, shard_fn=lambda m, fs: fs(m, mesh=mesh)),
     }
