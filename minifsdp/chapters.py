@@ -85,6 +85,8 @@ CHAPTERS: dict[str, Chapter] = {c.id: c for c in [
             _t("test_simple_fsdp", "test_exercises_10"),
             _w("simple_fsdp_worker", "gloo_in_flight_worker"), _m("demos/simple_fsdp"),
             lab="10"),
+    Chapter("11", "FSDP2's pitfalls", "notebooks/11_pitfalls.ipynb",
+            tests=_t("test_exercises_11"), demos=_m("demos/pitfalls")),
 ]}
 
 # what every chapter uses and none teaches alone

@@ -1,0 +1,265 @@
+"""Chapter 11's worker: three problems FSDP2 users file, each reproduced and then fixed, with
+our ``fully_shard`` beside torch's. Run under torchrun at N = 2::
+
+    run = torchrun("minifsdp.demos.pitfalls", nproc=2, chapter="11")
+    run.ranks[1]["unused"]["sends"]["experts"]   # {"params": ["experts.e.1.weight", ...], ...}
+
+Per rank it reports:
+
+- ``unused`` (Note [unused parameters in a group]): a mixture-of-experts route, rank 0's
+  tokens to expert 0 and the others' to expert 1. ``sends``: per group, the parameters (and
+  elements) this rank's reduce-scatter would carry without ``set_reduce_scatter_unused_params``
+  (read off one backward under ``set_requires_gradient_sync(False)``, so nothing is sent); then
+  3 SGD steps without and with it, ours against torch's (the first divergence, None when
+  bitwise) and against one process that routes every rank's rows (largest difference).
+- ``tokens`` (Note [divide factor]): sequences whose numbers of real tokens differ per rank.
+  The full parameters after 3 SGD steps under ``mean`` (each rank's mean over its own tokens,
+  averaged by FSDP: a mean of means), ``global`` (the token sum over the global token count,
+  with ``set_gradient_divide_factor(1.0)``) and ``one`` (one process, the mean over every
+  token): the largest differences from ``one``, and ``global``'s ours against torch's.
+- ``reset`` (``FSDPModule.reset_iter_state``): step 2's first forward raises inside
+  ``narrow``; the retried step's collectives and its peak by category, with and without the
+  reset, and for a step that never failed.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
+from torch.distributed.fsdp import fully_shard as torch_fully_shard
+from torch.distributed.tensor import DTensor
+
+from minifsdp import comm, fsdp2
+from minifsdp.dist import dist_setup, finish
+from minifsdp.memory import MemoryTracker
+from minifsdp.parity import divergence_line, max_abs_diff
+
+info = dist_setup()
+rank, N = info.rank, info.world_size
+mesh = init_device_mesh(info.device.type, (N,))
+IMPLS = {"ours": fsdp2.fully_shard, "torch": torch_fully_shard}
+STEPS = 3
+
+
+def full(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone()
+            for k, v in model.named_parameters()}
+
+
+def each_fsdp_module(model: nn.Module):
+    return [m for m in model.modules() if isinstance(m, (fsdp2.FSDPModule, TorchFSDPModule))]
+
+
+# ---- 1. a parameter only some ranks use -------------------------------------------------------
+
+class Experts(nn.Module):
+    """Two experts of one shape, one group; the router sends every token of rank 0 to expert
+    0 and of the other ranks to expert 1 (a stand-in for a learned top-1 route)."""
+
+    def __init__(self):
+        super().__init__()
+        self.e = nn.ModuleList([nn.Linear(32, 32), nn.Linear(32, 32)])
+
+    def forward(self, h, route: int):
+        return self.e[0 if route == 0 else 1](h)
+
+
+class Routed(nn.Module):
+    """``(B, 8) -> (B, 4)``: a layer, the experts (their own group), a head; ``route`` is the
+    rank whose tokens these are."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(8, 32)
+        self.experts = Experts()
+        self.head = nn.Linear(32, 4)
+
+    def forward(self, x, route: int = rank):
+        h = torch.tanh(self.inp(x))
+        return self.head(h + self.experts(h, route))
+
+
+def routed(fs=None) -> Routed:
+    torch.manual_seed(0)
+    model = Routed().to(info.device)
+    if fs is not None:
+        fs(model.experts, mesh=mesh)
+        fs(model, mesh=mesh)
+    return model
+
+
+def routed_batch(step: int):
+    """The global batch of a step: N x 4 rows, the same on every rank."""
+    g = torch.Generator().manual_seed(100 + step)
+    return torch.randn(N * 4, 8, generator=g), torch.randint(0, 4, (N * 4,), generator=g)
+
+
+def train_routed(model, sharded: bool) -> dict[str, torch.Tensor]:
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(STEPS):
+        x, y = routed_batch(step)
+        for q in ([rank] if sharded else range(N)):  # one process: every rank's rows, routed
+            loss = F.cross_entropy(model(x.chunk(N)[q], q), y.chunk(N)[q])
+            (loss if sharded else loss / N).backward()
+        opt.step()
+        opt.zero_grad()
+    return full(model)
+
+
+def unused() -> dict:
+    model = routed(fsdp2.fully_shard)
+    model.set_requires_gradient_sync(False)  # gradients stay unsharded: nothing is sent
+    x, y = routed_batch(0)
+    F.cross_entropy(model(x.chunk(N)[rank]), y.chunk(N)[rank]).backward()
+    sends = {}  # what this rank's reduce-scatters would carry: the parameters that got a grad
+    names = {id(p): n for n, p in model.named_parameters()}  # the sharded DTensors, resharded
+    for m in each_fsdp_module(model):
+        group = m.fsdp_state.group
+        got = [p for p in group.fsdp_params if p.unsharded_accumulated_grad is not None
+               or p.unsharded_param.grad is not None]
+        sends[group.name] = {"params": [names[id(p.sharded_param)] for p in got],
+                             "numel": N * sum(p.padded_shard_numel for p in got)}
+    one = train_routed(routed(), sharded=False)
+    params = {}
+    for flag in (False, True):
+        for name, fs in IMPLS.items():
+            model = routed(fs)
+            for m in each_fsdp_module(model):
+                m.set_reduce_scatter_unused_params(flag)
+            params[flag, name] = train_routed(model, sharded=True)
+    return {"sends": sends,
+            "without_vs_one": max_abs_diff(params[False, "ours"], one),
+            "with_vs_one": max_abs_diff(params[True, "ours"], one),
+            "without_vs_torch": divergence_line(params[False, "ours"], params[False, "torch"],
+                                                names=("fsdp2", "torch"), where=f"rank {rank}"),
+            "with_vs_torch": divergence_line(params[True, "ours"], params[True, "torch"],
+                                             names=("fsdp2", "torch"), where=f"rank {rank}")}
+
+
+# ---- 2. a loss normalized per rank ------------------------------------------------------------
+
+VOCAB, T = 32, 8
+REAL = [8, 8] + [2, 1] * (N - 1)  # real tokens of each sequence: rank 0's two, then the others'
+
+
+def tokens_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The global batch (2 sequences a rank), targets -100 past each sequence's real tokens."""
+    g = torch.Generator().manual_seed(200 + step)
+    x = torch.randint(0, VOCAB, (len(REAL), T), generator=g)
+    y = torch.randint(0, VOCAB, x.shape, generator=g)
+    for i, n in enumerate(REAL):
+        y[i, n:] = -100
+    return x.to(info.device), y.to(info.device)
+
+
+def lm(fs=None) -> nn.Module:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(VOCAB, 16), nn.Tanh(), nn.Linear(16, VOCAB))
+    model = model.to(info.device)
+    if fs is not None:
+        fs(model[2], mesh=mesh)
+        fs(model, mesh=mesh)
+    return model
+
+
+def ce_sum(model, x, y):
+    return F.cross_entropy(model(x).flatten(0, 1), y.flatten(), reduction="sum",
+                           ignore_index=-100)
+
+
+def tokens() -> dict:
+    params = {}
+    for mode in ("mean", "global"):
+        for name, fs in IMPLS.items():
+            model = lm(fs)
+            if mode == "global":  # the gradient is a sum: divide by nothing (Note [divide factor])
+                for m in each_fsdp_module(model):
+                    m.set_gradient_divide_factor(1.0)
+                    m.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM
+            opt = torch.optim.SGD(model.parameters(), lr=0.5)
+            for step in range(STEPS):
+                x, y = tokens_batch(step)
+                mine_x, mine_y = x.chunk(N)[rank], y.chunk(N)[rank]
+                if mode == "mean":
+                    loss = ce_sum(model, mine_x, mine_y) / (mine_y != -100).sum()
+                else:
+                    loss = ce_sum(model, mine_x, mine_y) / (y != -100).sum()
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+            params[mode, name] = full(model)
+    model = lm()  # one process: the mean over every real token of the global batch
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    for step in range(STEPS):
+        x, y = tokens_batch(step)
+        (ce_sum(model, x, y) / (y != -100).sum()).backward()
+        opt.step()
+        opt.zero_grad()
+    one = full(model)
+    return {"real_tokens": [sum(REAL[2 * r: 2 * r + 2]) for r in range(N)],
+            "mean_vs_one": max_abs_diff(params["mean", "ours"], one),
+            "global_vs_one": max_abs_diff(params["global", "ours"], one),
+            "global_vs_torch": divergence_line(params["global", "ours"],
+                                               params["global", "torch"],
+                                               names=("fsdp2", "torch"), where=f"rank {rank}"),
+            "mean_vs_torch": divergence_line(params["mean", "ours"], params["mean", "torch"],
+                                             names=("fsdp2", "torch"), where=f"rank {rank}")}
+
+
+# ---- 3. an exception in the middle of a forward -----------------------------------------------
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(8, 64)
+        self.mid = nn.Sequential(nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 64))
+        self.narrow = nn.Linear(64, 64)
+        self.head = nn.Linear(64, 3)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.narrow(self.mid(torch.tanh(self.inp(x))))))
+
+
+def reset() -> dict:
+    out = {}
+    for variant in ("clean", "reset", "no reset"):
+        torch.manual_seed(0)
+        model = Net().to(info.device)
+        for unit in (model.mid, model.narrow, model):
+            fsdp2.fully_shard(unit, mesh=mesh)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for step in range(STEPS):
+            g = torch.Generator().manual_seed(300 + step)
+            x, y = torch.randn(N * 4, 8, generator=g), torch.randint(0, 3, (N * 4,), generator=g)
+            x, y = x.chunk(N)[rank].to(info.device), y.chunk(N)[rank].to(info.device)
+            if step == 1 and variant != "clean":
+
+                def boom(*_):
+                    raise RuntimeError("a failure inside narrow's forward")
+
+                handle = model.narrow.register_forward_pre_hook(boom)
+                try:
+                    model(x)
+                except RuntimeError:
+                    if variant == "reset":
+                        model.reset_iter_state()
+                handle.remove()
+            tracker = MemoryTracker(model=model, optimizer=opt, device=info.device)
+            with comm.logging_comm() as log, tracker:
+                F.cross_entropy(model(x), y).backward()
+            if step == 1:
+                out[variant] = {
+                    "ops": [f"{r.op} {r.tag.split()[-1]}" for r in log.records
+                            if r.kind == "comm"],
+                    "peak_but_other": max(s["total"] - s["other"]
+                                          for s in tracker.to_dict()["timeline"]),
+                    "grads_peak": max(s["grads"] for s in tracker.to_dict()["timeline"])}
+            opt.step()
+            opt.zero_grad()
+    return out
+
+
+finish({"rank": rank, "world_size": N, "unused": unused(), "tokens": tokens(), "reset": reset()})
