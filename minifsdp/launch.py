@@ -60,6 +60,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -144,55 +145,12 @@ def torchrun(
         >>> sorted(run.ranks[0])   # doctest: +SKIP
         ["all_gather_into_tensor", "all_reduce", ...]
     """
-    name = name or re.sub(r"\W+", "_", Path(target).stem if target.endswith(".py") else target)
-    out_dir = repo_root() / "runs" / chapter / name
-    shutil.rmtree(out_dir, ignore_errors=True)  # stale rank files must never be read back
-    log_dir = out_dir / "logs"
-    log_dir.mkdir(parents=True)
-
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           "--nproc-per-node", str(nproc), "--redirects", "3", "--log-dir", str(log_dir),
-           "--monitor-interval", "0.1"]
-    cmd += [target] if target.endswith(".py") else ["-m", target]
-    cmd += [str(a) for a in args]
-    choice = _choice(nproc, env)
-    child_env = _worker_env(out_dir, env, pg_timeout, choice)
-
     if progress is None:  # a terminal or a notebook: someone is watching
-        progress = sys.stderr.isatty() or "ipykernel" in sys.modules
-    if progress:
-        _say_where(choice)
-    bar = _ProgressBar(name, log_dir) if progress else None
-    t0 = time.perf_counter()
-    # start_new_session: the job gets its own process group, so a kill reaches every worker.
-    proc = subprocess.Popen(cmd, env=child_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            stdin=subprocess.DEVNULL, text=True, start_new_session=True)
-    try:
-        launcher_out = _wait(proc, timeout, bar)
-    except subprocess.TimeoutExpired:
-        _dump_stacks_and_kill(proc, log_dir)
-        logs = _read_logs(log_dir, "stderr")
-        stacks = "\n".join(f"----- rank {r} -----\n{_tail(t, 40) or _SILENT}"
-                           for r, t in sorted(logs.items()))
-        raise WorkerTimeout(
-            f"{name}: torchrun job did not finish within {timeout:.0f} s; every rank was "
-            f"stopped. Where each rank was:\n{stacks}", None, logs) from None
-    except BaseException:  # e.g. KeyboardInterrupt in a notebook: leave no worker behind
-        _dump_stacks_and_kill(proc, log_dir)
-        raise
-    finally:
-        if bar:
-            bar.close()
-    wall = time.perf_counter() - t0
-
-    stdout = _read_logs(log_dir, "stdout")
-    if proc.returncode != 0:
-        raise _worker_error(name, launcher_out, _read_logs(log_dir, "stderr"), proc.returncode)
-    ranks = []
-    for r in range(nproc):
-        path = out_dir / f"rank{r}.json"
-        ranks.append(json.loads(path.read_text()) if path.exists() else None)
-    return RunResult(name, out_dir, ranks, stdout, wall, choice)
+        progress = _watched()
+    options = ("--standalone", "--nproc-per-node", nproc)
+    return _run(target, args, name=name, chapter=chapter, nnodes=1, nproc_per_node=nproc,
+                timeout=timeout, pg_timeout=pg_timeout, env=env, watched=progress, bar=progress,
+                node=lambda i, node_env: (options, node_env))
 
 
 def torchrun_all(jobs: dict[str, tuple[str, int, tuple]], *, parallel: int = 2,
@@ -277,36 +235,85 @@ def torchrun_multinode(
         ...                          nnodes=2, nproc_per_node=1)    # doctest: +SKIP
         >>> run.ranks[1]["losses"]                                  # doctest: +SKIP
     """
-    name = name or re.sub(r"\W+", "_", Path(target).stem if target.endswith(".py") else target)
-    out_dir = repo_root() / "runs" / chapter / name
-    shutil.rmtree(out_dir, ignore_errors=True)
+    name = name or _default_name(target)
     with socket.socket() as s:  # a free port for the rendezvous store (node 0's, in real life)
         s.bind(("localhost", 0))
         port = s.getsockname()[1]
     run_id = f"{name}-{os.getpid()}-{time.time_ns()}"
-    # every simulated node is on this machine: the rule counts all their ranks, and on NCCL
-    # each node sees only its own GPUs (as a real node would), so no two ranks share cuda:0
+
+    def node(i: int, node_env: dict[str, str]) -> tuple[tuple, dict[str, str]]:
+        options = ("--nnodes", nnodes, "--nproc-per-node", nproc_per_node,
+                   "--rdzv-backend", "c10d", "--rdzv-endpoint", f"localhost:{port}",
+                   "--rdzv-id", run_id, "--rdzv-conf", f"join_timeout={int(join_timeout)}",
+                   "--max-restarts", "0", *(node_options[i] if node_options else ()))
+        # every simulated node is on this machine: the rule counted all their ranks, and on
+        # NCCL each node sees only its own GPUs (as a real node would), so no two ranks share
+        # cuda:0
+        if node_env["MINIFSDP_BACKEND"] == "nccl":
+            node_env = {**node_env, "CUDA_VISIBLE_DEVICES": _gpu_slice(i, nproc_per_node)}
+        return options, node_env
+
+    def failed(err: WorkerError, bad: list[int], outs: dict[int, str]) -> WorkerError:
+        if err.rank is not None:
+            return WorkerError(f"node {bad[0]} of {nnodes}: {err}", err.rank, err.logs)
+        # no worker failed: the launchers themselves did, e.g. at the rendezvous
+        last = {i: (outs[i].strip().splitlines() or ["(no output)"])[-1] for i in bad}
+        return WorkerError(
+            f"{name}: node(s) {bad} failed before any worker did -- "
+            + "; ".join(f"node {i}: {line}" for i, line in last.items())
+            + f". A RendezvousTimeoutError means the {nnodes} launchers did not all meet "
+            f"within join_timeout={join_timeout:.0f} s: check that every node has the same "
+            "--rdzv-endpoint (reachable from all) and --rdzv-id, and that all were started."
+            f"\nNode {bad[0]}'s launcher:\n{_tail(outs[bad[0]], 30)}", None, err.logs)
+
+    return _run(target, args, name=name, chapter=chapter, nnodes=nnodes,
+                nproc_per_node=nproc_per_node, timeout=timeout, pg_timeout=pg_timeout, env=env,
+                watched=_watched(), bar=False, node=node, grace=grace, failed=failed,
+                what=f"{nnodes}-node job")
+
+
+def _run(target: str, args: tuple, *, name: str | None, chapter: str, nnodes: int,
+         nproc_per_node: int, timeout: float, pg_timeout: float | None,
+         env: dict[str, str] | None, watched: bool, bar: bool,
+         node: Callable[[int, dict[str, str]], tuple[tuple, dict[str, str]]],
+         grace: float = 0.0,
+         failed: Callable[[WorkerError, list[int], dict[int, str]], WorkerError] | None = None,
+         what: str = "torchrun job") -> RunResult:
+    """What ``torchrun`` and ``torchrun_multinode`` share: a fresh ``runs/<chapter>/<name>``,
+    ``nnodes`` torchrun launchers of ``nproc_per_node`` workers each (``node(i, env)`` gives
+    launcher i's own options and environment), waited for (Note [failures surface, never
+    hang]), and every rank's JSON read back.
+
+    A launcher's output goes to ``logs/launcher{i}.txt``, its workers' to ``logs/`` (one node)
+    or ``logs/node{i}/``. Once a launcher has failed, the others get ``grace`` seconds to end
+    on their own; past ``timeout`` every rank's stack is dumped and the job killed
+    (``WorkerTimeout``, ``what`` naming the job). A failure raises the first failing rank's
+    ``WorkerError``, or what ``failed(error, failed launchers, their outputs)`` makes of it.
+    """
+    name = name or _default_name(target)
+    out_dir = repo_root() / "runs" / chapter / name
+    shutil.rmtree(out_dir, ignore_errors=True)  # stale rank files must never be read back
+    log_dirs = [out_dir / "logs" / (f"node{i}" if nnodes > 1 else "") for i in range(nnodes)]
+    for d in log_dirs:
+        d.mkdir(parents=True)
     choice = _choice(nnodes * nproc_per_node, env)
     child_env = _worker_env(out_dir, env, pg_timeout, choice)
     worker = [target] if target.endswith(".py") else ["-m", target]
-    log_dirs, procs = [], []
-    if sys.stderr.isatty() or "ipykernel" in sys.modules:
+    if watched:
         _say_where(choice)
+    progress = _ProgressBar(name, log_dirs[0]) if bar else None
+    procs = []
     t0 = time.perf_counter()
-    for i in range(nnodes):
-        log_dirs.append(out_dir / "logs" / f"node{i}")
-        log_dirs[-1].mkdir(parents=True)
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nnodes),
-               "--nproc-per-node", str(nproc_per_node), "--rdzv-backend", "c10d",
-               "--rdzv-endpoint", f"localhost:{port}", "--rdzv-id", run_id,
-               "--rdzv-conf", f"join_timeout={int(join_timeout)}", "--max-restarts", "0",
-               "--redirects", "3", "--log-dir", str(log_dirs[-1]), "--monitor-interval", "0.1",
-               *[str(a) for a in (node_options[i] if node_options else ())],
-               *worker, *[str(a) for a in args]]
-        node_env = dict(child_env)
-        if choice.backend == "nccl":
-            node_env["CUDA_VISIBLE_DEVICES"] = _gpu_slice(i, nproc_per_node)
-        with open(out_dir / "logs" / f"launcher{i}.txt", "w") as f:  # a file: never blocks
+    for i, log_dir in enumerate(log_dirs):
+        options, node_env = node(i, child_env)
+        # node options last: argparse keeps an option's last occurrence (torchrun_multinode's
+        # node_options may override its own)
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--redirects", "3",
+               "--log-dir", str(log_dir), "--monitor-interval", "0.1", *map(str, options),
+               *worker, *map(str, args)]
+        # a file, never a pipe that fills and blocks; start_new_session: the launcher gets its
+        # own process group, so a kill reaches every worker
+        with open(out_dir / "logs" / f"launcher{i}.txt", "w") as f:
             procs.append(subprocess.Popen(cmd, env=node_env, stdout=f, stderr=subprocess.STDOUT,
                                           stdin=subprocess.DEVNULL, start_new_session=True))
 
@@ -319,17 +326,20 @@ def torchrun_multinode(
     def launcher_out(i: int) -> str:
         return (out_dir / "logs" / f"launcher{i}.txt").read_text(errors="replace")
 
-    outs: dict[int, str] = {}  # node -> launcher output, in the order they ended
+    outs: dict[int, str] = {}  # launcher -> its output, in the order they ended
     deadline, failed_at = time.monotonic() + timeout, None
     try:
-        while len(outs) < nnodes:
+        while True:
             for i, p in enumerate(procs):
                 if i not in outs and p.poll() is not None:
                     outs[i] = launcher_out(i)
                     if p.returncode and failed_at is None:
                         failed_at = time.monotonic()
+            if progress:
+                progress.update()
             now = time.monotonic()
-            if now > deadline or (failed_at is not None and now > failed_at + grace):
+            if len(outs) == nnodes or now > deadline or (
+                    failed_at is not None and now > failed_at + grace):
                 break
             time.sleep(0.1)
     finally:  # a hang, a failure's survivors, or Ctrl-C: leave no launcher or worker behind
@@ -337,6 +347,8 @@ def torchrun_multinode(
             if p.poll() is None:
                 _dump_stacks_and_kill(p, log_dirs[i])
                 outs.setdefault(i, launcher_out(i))
+        if progress:
+            progress.close()
     wall = time.perf_counter() - t0
 
     bad = [i for i in outs if procs[i].returncode]  # in the order they ended
@@ -344,25 +356,26 @@ def torchrun_multinode(
         errs = logs("stderr")
         stacks = "\n".join(f"----- rank {r} -----\n{_tail(t, 40) or _SILENT}"
                            for r, t in sorted(errs.items()))
-        raise WorkerTimeout(f"{name}: {nnodes}-node job did not finish within {timeout:.0f} s; "
-                            f"every rank was stopped. Where each rank was:\n{stacks}", None, errs)
+        raise WorkerTimeout(f"{name}: {what} did not finish within {timeout:.0f} s; every rank "
+                            f"was stopped. Where each rank was:\n{stacks}", None, errs)
     if bad:
         err = _worker_error(name, outs[bad[0]], logs("stderr"), procs[bad[0]].returncode)
-        if err.rank is None:  # no worker failed: the launchers themselves did, e.g. rendezvous
-            last = {i: (outs[i].strip().splitlines() or ["(no output)"])[-1] for i in bad}
-            raise WorkerError(
-                f"{name}: node(s) {bad} failed before any worker did -- "
-                + "; ".join(f"node {i}: {line}" for i, line in last.items())
-                + f". A RendezvousTimeoutError means the {nnodes} launchers did not all meet "
-                f"within join_timeout={join_timeout:.0f} s: check that every node has the same "
-                "--rdzv-endpoint (reachable from all) and --rdzv-id, and that all were started."
-                f"\nNode {bad[0]}'s launcher:\n{_tail(outs[bad[0]], 30)}", None, err.logs)
-        raise WorkerError(f"node {bad[0]} of {nnodes}: {err}", err.rank, err.logs)
+        raise failed(err, bad, outs) if failed else err
     ranks = []
     for r in range(nnodes * nproc_per_node):
         path = out_dir / f"rank{r}.json"
         ranks.append(json.loads(path.read_text()) if path.exists() else None)
     return RunResult(name, out_dir, ranks, logs("stdout"), wall, choice)
+
+
+def _default_name(target: str) -> str:
+    """A run's name from its target: ``minifsdp.train`` -> ``minifsdp_train``, a script's stem."""
+    return re.sub(r"\W+", "_", Path(target).stem if target.endswith(".py") else target)
+
+
+def _watched() -> bool:
+    """A terminal or a notebook: someone is watching (the job says where it runs)."""
+    return sys.stderr.isatty() or "ipykernel" in sys.modules
 
 
 def _choice(local_ranks: int, env: dict[str, str] | None) -> BackendChoice:
@@ -406,21 +419,6 @@ def _worker_env(out_dir: Path, env: dict[str, str] | None, pg_timeout: float | N
     if pg_timeout is not None:
         child_env["MINIFSDP_PG_TIMEOUT"] = str(pg_timeout)
     return child_env
-
-
-def _wait(proc: subprocess.Popen, timeout: float, bar: _ProgressBar | None) -> str:
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            out, _ = proc.communicate(timeout=0.25)
-            if bar:
-                bar.update()
-            return out or ""
-        except subprocess.TimeoutExpired:
-            if bar:
-                bar.update()
-            if time.monotonic() > deadline:
-                raise
 
 
 _SILENT = ("(this rank printed nothing: it had not reached minifsdp.dist.dist_setup, "

@@ -9,11 +9,6 @@ waits only for the jobs it reads. The module may set:
     PARALLEL (default 2)                jobs at once
     JOB_PREFIX (default: its name without test_, then _)   run names: runs/tests/<prefix><name>
     LAUNCH_OPTIONS                      extra keyword arguments for ``torchrun``
-
-A module not converted yet declares its jobs module-wide instead (the older protocol):
-
-    job(key) -> (target, nproc, args)   what to launch for a job key
-    jobs_of(item) -> [key, ...]         the job keys a collected test reads
 """
 
 import os
@@ -61,31 +56,24 @@ def _gpu_modules_use_the_rule(request, cpu_facts):
 
 
 @pytest.fixture(scope="module")
-def launched(request) -> dict[object, Future]:
-    """job -> Future of its ``RunResult`` (or the ``WorkerError`` it raised): every job that
-    the module's selected tests declare (``tests/jobs.py``), or, in a module that still
-    declares them the older way, that its ``jobs_of`` names (keyed as there)."""
+def launched(request) -> dict[Job, Future]:
+    """Job -> Future of its ``RunResult`` (or the ``WorkerError`` it raised): every job that
+    the module's selected tests declare (``tests/jobs.py``)."""
     mod = request.module
     # (nbval's notebook cells, collected in the same session, have no .module)
     items = [item for item in request.session.items if getattr(item, "module", None) is mod]
-    if hasattr(mod, "jobs_of"):
-        wanted = {k: Job(k if isinstance(k, str) else "_".join(map(str, k)), *mod.job(k))
-                  for item in items for k in mod.jobs_of(item)}
-    else:
-        wanted = {job: job for item in items for job in declared(item)}
-    names = [job.name for job in wanted.values()]
+    wanted = dict.fromkeys(job for item in items for job in declared(item))  # in test order
+    names = [job.name for job in wanted]
     if len(set(names)) < len(names):
         twice = sorted({n for n in names if names.count(n) > 1})
         raise ValueError(f"{mod.__name__}: two different jobs named {twice}: a run's "
                          "directory is its name")
     prefix = getattr(mod, "JOB_PREFIX", mod.__name__.removeprefix("test_") + "_")
     options = {"timeout": 300, "env": GLOO, **getattr(mod, "LAUNCH_OPTIONS", {})}
-    keys = sorted(wanted, key=lambda k: -wanted[k].nproc)  # big jobs first: less idle tail
     with ThreadPoolExecutor(getattr(mod, "PARALLEL", 2)) as pool:
         futures = Launched(mod.__name__)
-        for key in keys:
-            job = wanted[key]
-            futures[key] = pool.submit(torchrun, job.target, *job.args, nproc=job.nproc,
+        for job in sorted(wanted, key=lambda j: -j.nproc):  # big jobs first: less idle tail
+            futures[job] = pool.submit(torchrun, job.target, *job.args, nproc=job.nproc,
                                        chapter="tests", name=prefix + job.name, **options)
         yield futures
         pool.shutdown(cancel_futures=True)  # a run cut short (-x, Ctrl-C) starts no more

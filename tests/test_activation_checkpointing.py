@@ -17,6 +17,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from jobs import Job, fixture_of
 from torch.utils.flop_counter import FlopCounterMode
 
 from minifsdp import analytic
@@ -25,21 +26,16 @@ from minifsdp.demos.activation_checkpointing import saved_for_backward
 from minifsdp.models import GPT, GPTConfig, apply_activation_checkpointing
 
 PARALLEL = 1
-JOB_PREFIX = "activation_checkpointing_"  # the launched fixture in conftest.py runs the job
 OURS = [f"ours {ac} {raf}" for ac in ("plain", "ac") for raf in ("raf", "keep")]
 
 
-def job(key) -> tuple[str, int, tuple]:
-    return "minifsdp.demos.activation_checkpointing", 2, ()
+# the notebook's worker at N = 2, run in runs/tests/activation_checkpointing_demo
+DEMO = Job("demo", "minifsdp.demos.activation_checkpointing", 2)
 
 
-def jobs_of(item: pytest.Item) -> list:
-    return ["demo"] if "ranks" in item.fixturenames else []
-
-
-@pytest.fixture(scope="module")
+@fixture_of(DEMO)
 def ranks(launched) -> list[dict]:
-    return launched["demo"].result().ranks
+    return launched[DEMO].result().ranks
 
 
 @pytest.fixture(scope="module", autouse=True)

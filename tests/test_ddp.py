@@ -23,8 +23,9 @@ vs single / vs torch DDP): CNN N=3 6.1e-6 / 1.2e-7, N=4 5.9e-6 / 7.3e-6; GPT N=3
 2.4e-7, N=4 3.0e-7 / 2.9e-7. Losses: at most 4.8e-7 apart. The bounds are 10x and 20x the
 largest of these: another CPU's kernels add in other orders (Note [what a notebook prints]).
 
-Cost: 18 launches of 5-10 s, ``PARALLEL`` at a time from the module fixture ``launched`` (as in
-tests/test_train.py): ~210 CPU-seconds, ~105 s on an idle 2-core machine.
+Cost: 18 launches of 5-10 s, each declared by the tests that read it (tests/jobs.py) and started
+``PARALLEL`` at a time by the module fixture ``launched`` (as in tests/test_train.py): ~210
+CPU-seconds, ~105 s on an idle 2-core machine.
 """
 
 import functools
@@ -33,13 +34,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from jobs import Job, fixture_of
 from torch.nn.modules.utils import consume_prefix_in_state_dict_if_present
 
 from minifsdp.ddp import FINAL_SPAN
 from minifsdp.launch import RunResult
 
 PARALLEL = 3  # torchrun jobs at once: 3 keeps 2 cores busy through start-up gaps
-JOB_PREFIX = "ddp_"  # the launched fixture in conftest.py runs the jobs
 LAUNCH_OPTIONS = {"pg_timeout": 60}
 WORKER = str(Path(__file__).parent / "workers" / "ddp_worker.py")
 STEPS, GLOBAL_BATCH, CAP_MB = 3, 24, 0.05  # 24 splits over 1-4 ranks; 0.05 MiB: 3 buckets
@@ -58,10 +59,8 @@ WORLDS = ([(m, n) for m in MODEL_ARGS for n in (1, 2, 3, 4)] if FULL else
           [("gpt", 1), ("cnn", 2), ("gpt", 2), ("cnn", 3), ("gpt", 4)])  # (model, world size)
 CASES = [(m, n, s) for (m, n) in WORLDS for s in ("ddp", "bucketed_ddp")
          if FULL or n <= 2 or s == "bucketed_ddp"]
-IDS = [f"{m}-N{n}-{s}" for m, n, s in CASES]
 # at one rank, torch DDP is the identity around the model: compared only in the full matrix
 TORCH_CASES = [c for c in CASES if FULL or c[1] > 1]
-TORCH_IDS = [f"{m}-N{n}-{s}" for m, n, s in TORCH_CASES]
 
 
 def tolerance(n: int) -> float | None:
@@ -69,29 +68,29 @@ def tolerance(n: int) -> float | None:
     return EXACT if n <= 2 else ATOL
 
 
-def job(key) -> tuple[str, int, tuple]:
-    """``(target, nproc, arguments)`` of a job: ``(model, world size, strategy)`` or "worker"."""
-    if key == "worker":
-        return WORKER, 2, ()
-    model, n, strategy = key
+def train_job(model: str, n: int, strategy: str) -> Job:
+    """``minifsdp.train`` with ``strategy`` at N = n (``single`` on one process, with n data
+    shards), run in runs/tests/ddp_<model>_<n>_<strategy>."""
     args = ("--strategy", strategy, *MODEL_ARGS[model], "--steps", STEPS,
             "--global-batch", GLOBAL_BATCH, "--save-params")
+    name = f"{model}_{n}_{strategy}"
     if strategy == "single":
-        return "minifsdp.train", 1, (*args, "--data-shards", n)
+        return Job(name, "minifsdp.train", 1, (*args, "--data-shards", n))
     if strategy == "bucketed_ddp":
         args += ("--bucket-cap-mb", CAP_MB)
-    return "minifsdp.train", n, args
+    return Job(name, "minifsdp.train", n, args)
 
 
-def jobs_of(item: pytest.Item) -> list:
-    p = item.callspec.params if hasattr(item, "callspec") else {}
-    if "strategy" in p:
-        ref = "torch_ddp" if item.originalname == "test_trains_like_torch_ddp" else "single"
-        return [(p["model"], p["n"], s) for s in (ref, p["strategy"])] + (
-            [(p["model"], p["n"], "single")] if ref == "torch_ddp" and p["n"] > 2 else [])
-    if item.name.startswith("test_comm_log"):
-        return [("gpt", 2, "bucketed_ddp"), ("gpt", 2, "ddp")]
-    return ["worker"] if "worker" in getattr(item, "fixturenames", ()) else []
+WORKER_JOB = Job("worker", WORKER, 2)
+# each case reads its run and the reference's at the same model and N; next to torch DDP at
+# N > 2 also the one process's, which bounds how far torch DDP itself is
+SINGLE_CASES = [pytest.param(m, n, s, id=f"{m}-N{n}-{s}", marks=pytest.mark.launches(
+    train_job(m, n, s), train_job(m, n, "single"))) for m, n, s in CASES]
+TORCH_DDP_CASES = [pytest.param(m, n, s, id=f"{m}-N{n}-{s}", marks=pytest.mark.launches(
+    train_job(m, n, s), train_job(m, n, "torch_ddp"),
+    *([train_job(m, n, "single")] if n > 2 else []))) for m, n, s in TORCH_CASES]
+# the comm-log tests read both strategies' GPT runs at N = 2
+COMM_LOG_JOBS = (train_job("gpt", 2, "bucketed_ddp"), train_job("gpt", 2, "ddp"))
 
 
 @pytest.fixture(scope="module")
@@ -100,7 +99,7 @@ def train_run(launched):
 
     @functools.cache
     def get(model: str, n: int, strategy: str) -> tuple[RunResult, dict[str, torch.Tensor]]:
-        run = launched[model, n, strategy].result()
+        run = launched[train_job(model, n, strategy)].result()
         params = torch.load(run.out_dir / "params.pt", weights_only=True)
         # train.py saves our wrappers' state dict with their "module." prefix (torch's
         # get_model_state_dict strips it only for torch's own DDP)
@@ -110,9 +109,9 @@ def train_run(launched):
     return get
 
 
-@pytest.fixture(scope="module")
+@fixture_of(WORKER_JOB)
 def worker(launched) -> list[dict]:
-    return launched["worker"].result().ranks
+    return launched[WORKER_JOB].result().ranks
 
 
 def assert_same_training(run, params, ref_run, ref_params, atol, what):
@@ -129,7 +128,7 @@ def assert_same_training(run, params, ref_run, ref_params, atol, what):
         torch.testing.assert_close(params, ref_params, atol=atol, rtol=0, msg=what)
 
 
-@pytest.mark.parametrize("model,n,strategy", CASES, ids=IDS)
+@pytest.mark.parametrize("model,n,strategy", SINGLE_CASES)
 def test_trains_like_one_process(train_run, model, n, strategy):
     run, params = train_run(model, n, strategy)
     assert [r["world_size"] for r in run.ranks] == [n] * n
@@ -138,7 +137,7 @@ def test_trains_like_one_process(train_run, model, n, strategy):
     assert_same_training(run, params, ref_run, ref, tolerance(n), f"{strategy} vs single")
 
 
-@pytest.mark.parametrize("model,n,strategy", TORCH_CASES, ids=TORCH_IDS)
+@pytest.mark.parametrize("model,n,strategy", TORCH_DDP_CASES)
 def test_trains_like_torch_ddp(train_run, model, n, strategy):
     run, params = train_run(model, n, strategy)
     ref_run, ref = train_run(model, n, "torch_ddp")
@@ -165,6 +164,7 @@ def steps_of(comm: list[dict]) -> list[tuple[list[dict], dict, dict]]:
     return steps
 
 
+@pytest.mark.launches(*COMM_LOG_JOBS)
 def test_comm_log_shows_buckets_issued_during_backward(train_run):
     """Overlap: every bucket's all-reduce starts inside backward and before our final callback,
     i.e. while autograd is still computing gradients; the callback only waits for them."""
@@ -181,6 +181,7 @@ def test_comm_log_shows_buckets_issued_during_backward(train_run):
             assert sum(r["bytes"] for r in reduces) == 4 * rank["num_params"]
 
 
+@pytest.mark.launches(*COMM_LOG_JOBS)
 def test_comm_log_naive_ddp_starts_after_backward(train_run):
     """NaiveDDP: one all-reduce per parameter, all issued once autograd is done."""
     from minifsdp.train import make_model, parse_args

@@ -2,7 +2,8 @@
 one process and as torch's FSDP1, the collectives of each sharding strategy, and the memory of
 FULL_SHARD.
 
-Two kinds of launch (the module fixture ``launched`` starts them, ``PARALLEL`` at a time):
+Two kinds of launch (each test declares the ones it reads; the module fixture ``launched``
+starts them, ``PARALLEL`` at a time):
 
 * ``tests/workers/fsdp1_worker.py`` at N = 2, 3, 4 runs 16 configurations in one job each:
   every sharding strategy x every auto-wrap (none, size, transformer) on the GPT, tied
@@ -41,6 +42,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from jobs import Job
 
 from minifsdp import fsdp1
 from minifsdp.fsdp1.flat_param import FlatParamHandle, flat_layout, registered_params
@@ -56,7 +58,6 @@ from minifsdp.models import GPT, Block, GPTConfig, MnistCNN, build_model
 from minifsdp.parity import assert_bitwise, max_abs_diff
 
 PARALLEL = 2
-JOB_PREFIX = "fsdp1_"  # the launched fixture in conftest.py runs the jobs
 WORKER = str(Path(__file__).parent / "workers" / "fsdp1_worker.py")
 WORKER_WORLDS = (2, 3, 4)
 GPT_ARGS = ("--model", "gpt", "--n-head", "4", "--d-model", "32", "--seq-len", "32",
@@ -104,34 +105,30 @@ def units_of(model: str, wrap: str) -> list[str]:
     return GPT_SIZE_3000
 
 
-def job(key) -> tuple[str, int, tuple]:
-    """``(target, nproc, arguments)`` of ``("worker", n)`` or ``(strategy, train case)``."""
-    if key[0] == "worker":
-        return WORKER, key[1], ()
-    strategy, name = key
+def train_job(strategy: str, name: str) -> Job:
+    """``minifsdp.train`` with ``strategy`` on train case ``name`` (``single`` on one process,
+    with N data shards), run in runs/tests/fsdp1_<strategy>_<name>."""
     c = TRAIN_CASES[name]
     args = ("--strategy", strategy, *MODEL_ARGS[c.model], "--steps", c.steps, "--global-batch",
             c.batch, "--save-params", "--sharding-strategy", c.sharding, "--auto-wrap", c.wrap,
             "--min-num-params", c.min_params)
     if strategy == "single":
-        return "minifsdp.train", 1, (*args, "--data-shards", c.n)
+        return Job(f"single_{name}", "minifsdp.train", 1, (*args, "--data-shards", c.n))
     if strategy == "fsdp1" and c.offload:
         args += ("--cpu-offload",)
     if name == MEMORY_CASE and strategy in ("fsdp1", "torch_ddp"):
         args += ("--track-memory", TRACKED)
-    return "minifsdp.train", c.n, args
+    return Job(f"{strategy}_{name}", "minifsdp.train", c.n, args)
 
 
-def jobs_of(item: pytest.Item) -> list:
-    p = item.callspec.params if hasattr(item, "callspec") else {}
-    if item.originalname == "test_memory_of_full_shard":
-        return [("fsdp1", MEMORY_CASE), ("torch_ddp", MEMORY_CASE)]
-    if "worker_n" in p:
-        return [("worker", p["worker_n"])]
-    if "name" in p:
-        refs = ["torch_fsdp1", "single"] if "parity" in item.name else []
-        return [(s, p["name"]) for s in ["fsdp1", *refs]]
-    return []
+# the worker at each N (runs/tests/fsdp1_worker_2, ...); the tests parametrized by N read it
+WORKERS = {n: Job(f"worker_{n}", WORKER, n) for n in WORKER_WORLDS}
+BY_WORLD = [pytest.param(n, marks=pytest.mark.launches(WORKERS[n])) for n in WORKER_WORLDS]
+# each train case reads its fsdp1 run; the parity test also torch's and the one process's
+TRAIN_NAMES = [pytest.param(name, marks=pytest.mark.launches(train_job("fsdp1", name)))
+               for name in TRAIN_CASES]
+PARITY_NAMES = [pytest.param(name, marks=pytest.mark.launches(
+    *(train_job(s, name) for s in ("fsdp1", "torch_fsdp1", "single")))) for name in TRAIN_CASES]
 
 
 @pytest.fixture(scope="module")
@@ -140,7 +137,7 @@ def train_run(launched):
 
     @functools.cache
     def get(strategy: str, name: str) -> tuple[RunResult, dict[str, torch.Tensor]]:
-        run = launched[strategy, name].result()
+        run = launched[train_job(strategy, name)].result()
         return run, torch.load(run.out_dir / "params.pt", weights_only=True)
 
     return get
@@ -148,7 +145,7 @@ def train_run(launched):
 
 def worker_cases(launched, n: int) -> list[tuple[str, dict]]:
     """``("<case> (rank r)", results)`` of every case and rank of the worker at world size n."""
-    ranks = launched["worker", n].result().ranks
+    ranks = launched[WORKERS[n]].result().ranks
     assert [r["world_size"] for r in ranks] == [n] * n
     assert all(len(r["cases"]) == 16 for r in ranks)
     return [(f"{name} (rank {r['rank']})", case) for r in ranks
@@ -160,7 +157,7 @@ RELATIVE_TO_TORCH = 2.0  # see the module docstring
 
 # ---- parity: the worker's configurations ------------------------------------------------------
 
-@pytest.mark.parametrize("worker_n", WORKER_WORLDS)
+@pytest.mark.parametrize("worker_n", BY_WORLD)
 def test_worker_parity_bit_for_bit_with_torch_fsdp1(launched, worker_n):
     for name, c in worker_cases(launched, worker_n):
         assert c["names"], f"{name}: state dict names or order differ"
@@ -171,7 +168,7 @@ def test_worker_parity_bit_for_bit_with_torch_fsdp1(launched, worker_n):
             assert c["offloaded"], f"{name}: a shard is not in host memory"
 
 
-@pytest.mark.parametrize("worker_n", WORKER_WORLDS)
+@pytest.mark.parametrize("worker_n", BY_WORLD)
 def test_worker_parity_with_one_process(launched, worker_n):
     for name, c in worker_cases(launched, worker_n):
         if worker_n == 2:
@@ -185,7 +182,7 @@ def test_worker_parity_with_one_process(launched, worker_n):
         assert gap <= RELATIVE_TO_TORCH * torch_gap, name
 
 
-@pytest.mark.parametrize("worker_n", WORKER_WORLDS)
+@pytest.mark.parametrize("worker_n", BY_WORLD)
 def test_worker_collectives_per_step(launched, worker_n):
     """Per step and unit (Note [sharding strategies]): FULL_SHARD all-gathers in forward and
     again in backward (not the root, which keeps its parameters), SHARD_GRAD_OP in forward
@@ -212,7 +209,7 @@ def expected_calls(units: list[str], sharding: str, steps: int) -> dict[str, int
 
 # ---- parity and collectives: minifsdp.train end to end ---------------------------------------
 
-@pytest.mark.parametrize("name", TRAIN_CASES)
+@pytest.mark.parametrize("name", PARITY_NAMES)
 def test_train_parity_with_torch_fsdp1_and_one_process(train_run, name):
     c = TRAIN_CASES[name]
     run, got = train_run("fsdp1", name)
@@ -235,7 +232,7 @@ def test_train_parity_with_torch_fsdp1_and_one_process(train_run, name):
         assert max_abs_diff(got, ref) <= RELATIVE_TO_TORCH * max_abs_diff(theirs, ref) < 1e-4
 
 
-@pytest.mark.parametrize("name", TRAIN_CASES)
+@pytest.mark.parametrize("name", TRAIN_NAMES)
 def test_train_moved_every_parameter(train_run, name):
     """Parity is vacuous if nothing trained: every saved tensor left its initial value."""
     from minifsdp.dist import seed_everything
@@ -249,7 +246,7 @@ def test_train_moved_every_parameter(train_run, name):
     assert min(float((final[k] - init[k]).abs().max()) for k in init) > 1e-4
 
 
-@pytest.mark.parametrize("name", TRAIN_CASES)
+@pytest.mark.parametrize("name", TRAIN_NAMES)
 def test_train_collectives(train_run, name):
     """The collectives of Note [sharding strategies], each all-gather moving (N-1)/N of its
     unit's padded flat parameter; the units hold the model with less than 4 elements of
@@ -288,6 +285,7 @@ def peaks(rank_json: dict) -> dict:
     return {c: max(s[c] for s in tl) for c in ("params", "grads", "optimizer", "total")}
 
 
+@pytest.mark.launches(train_job("fsdp1", MEMORY_CASE), train_job("torch_ddp", MEMORY_CASE))
 def test_memory_of_full_shard(train_run):
     """The tied GPT (4 blocks, 53,952 parameters) with each block a unit, at N = 2, CPU
     offload (on the CPU: the same memory, plus a transient copy of a shard counted as comm).

@@ -11,8 +11,8 @@ unevenly (GPT d_model 32 over 3 ranks, the CNN's fc2 10 rows over 4: 3, 3, 3, 1)
 padding is exercised. ``tests/workers/fsdp2_worker.py`` at N = 2 and 3 covers what train.py
 does not reach (frozen + trainable in one group, empty shards, an unused parameter,
 accumulation with and without sync, clipping, meta-device init, state dicts, errors). The
-in-process tests at the end use a world of one. 14 launches; the fixture runs ``PARALLEL``
-at a time.
+in-process tests at the end use a world of one. 14 launches, each declared by the tests that
+read it (tests/jobs.py); the fixture ``launched`` runs ``PARALLEL`` at a time.
 """
 
 import functools
@@ -23,6 +23,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from jobs import Job, fixture_of
 from torch.distributed.tensor import DTensor, Shard
 
 from minifsdp import analytic
@@ -33,7 +34,6 @@ from minifsdp.parity import assert_bitwise, assert_close, max_abs_diff
 from minifsdp.train import make_model, parse_args, shard_units
 
 PARALLEL = 2
-JOB_PREFIX = "fsdp2_"  # the launched fixture in conftest.py runs the jobs
 WORKER = str(Path(__file__).parent / "workers" / "fsdp2_worker.py")
 MODEL_ARGS = {
     "cnn": ("--model", "cnn", "--optimizer", "adam"),
@@ -49,37 +49,31 @@ CASES.append((2, "gpt", "no_reshard"))
 TRACKED = 2  # --track-memory on the sharded runs at N = 2: step 2 has Adam's state (memory[1])
 
 
-def job(key) -> tuple[str, int, tuple]:
-    """``(target, nproc, arguments)`` of ``(n, model, variant, strategy)`` or ``("worker", n)``."""
-    if key[0] == "worker":
-        return WORKER, key[1], ()
-    n, model, variant, strategy = key
+def train_job(n: int, model: str, variant: str, strategy: str) -> Job:
+    """``minifsdp.train`` with ``strategy`` at N = n (``single`` on one process, with n data
+    shards), run in runs/tests/fsdp2_<n>_<model>_<variant>_<strategy>."""
     _, steps, batch = WORLDS[n]
     args = ("--strategy", strategy, *MODEL_ARGS[model], "--steps", steps,
             "--global-batch", batch, "--save-params", *VARIANTS[variant])
+    name = f"{n}_{model}_{variant}_{strategy}"
     if strategy == "single":
-        return "minifsdp.train", 1, (*args, "--data-shards", n)
+        return Job(name, "minifsdp.train", 1, (*args, "--data-shards", n))
     if n == 2:
         args += ("--track-memory", TRACKED)
         if strategy == "torch_fsdp2":  # FSDPMemTracker watches the last tracked step too
             args += ("--torch-memtracker",)
-    return "minifsdp.train", n, args
+    return Job(name, "minifsdp.train", n, args)
 
 
-def jobs_of(item: pytest.Item) -> list:
-    p = item.callspec.params if hasattr(item, "callspec") else {}
-    if "worker" in item.fixturenames:
-        return [("worker", 2), ("worker", 3)]
-    if "n" in p:
-        refs = [(p["n"], p["model"], "", s) for s in ("single", "torch_fsdp2")]
-        return [*refs, (p["n"], p["model"], p["variant"], "fsdp2")]
-    if item.name.startswith("test_our_tracker_agrees"):
-        return [(2, p["model"], "", "torch_fsdp2")]
-    if item.name.startswith("test_param_layout"):
-        return [(3, "gpt", "", "fsdp2")]
-    if item.name.startswith("test_reshard_after_forward"):
-        return [(2, "gpt", v, "fsdp2") for v in VARIANTS]
-    return []
+WORKERS = {n: Job(f"worker_{n}", WORKER, n) for n in (2, 3)}
+
+
+def case_params(cases, *refs: str) -> list:
+    """``cases`` as parameter sets, each reading its fsdp2 run and the ``refs`` strategies'
+    runs (default variant) at the same N and model."""
+    return [pytest.param(n, m, v, marks=pytest.mark.launches(
+        train_job(n, m, v, "fsdp2"), *(train_job(n, m, "", s) for s in refs)))
+        for n, m, v in cases]
 
 
 @pytest.fixture(scope="module")
@@ -88,15 +82,15 @@ def train_run(launched):
 
     @functools.cache
     def get(n, model, variant, strategy) -> tuple[RunResult, dict[str, torch.Tensor]]:
-        run = launched[n, model, variant, strategy].result()
+        run = launched[train_job(n, model, variant, strategy)].result()
         return run, torch.load(run.out_dir / "params.pt", weights_only=True)
 
     return get
 
 
-@pytest.fixture(scope="module")
+@fixture_of(*WORKERS.values())
 def worker(launched) -> dict[int, list[dict]]:
-    return {n: launched["worker", n].result().ranks for n in (2, 3)}
+    return {n: launched[job].result().ranks for n, job in WORKERS.items()}
 
 
 # ---- parity ----------------------------------------------------------------------------------
@@ -113,7 +107,7 @@ def worker(launched) -> dict[int, list[dict]]:
 RELATIVE_TO_TORCH = 2.0
 
 
-@pytest.mark.parametrize("n,model,variant", CASES)
+@pytest.mark.parametrize("n,model,variant", case_params(CASES, "torch_fsdp2", "single"))
 def test_parity_with_one_process_and_torch_fsdp2(train_run, n, model, variant):
     """(Resharding after forward or not changes memory and communication, never a number:
     the ``no_reshard`` run is compared with the same references.)"""
@@ -161,7 +155,7 @@ def padded_numel(p: torch.Tensor, n: int) -> int:
     return chunk_dim0(p, n)[0].numel()  # Note [padding]: every rank's slot is chunk 0's size
 
 
-@pytest.mark.parametrize("n,model,variant", CASES)
+@pytest.mark.parametrize("n,model,variant", case_params(CASES))
 def test_one_all_gather_and_one_reduce_scatter_per_group(train_run, n, model, variant):
     """Per step and group: an all-gather before forward, another before backward unless the
     group keeps its parameters (the root, or --reshard-after-forward false), one
@@ -242,7 +236,8 @@ def memory_bound(run: RunResult) -> dict[str, int]:
 # bound, torch_fsdp2 24,637,688 (fsdp2/torch 0.997: torch keeps a forward all-gather buffer
 # until the next group's copy-out, for overlap; we free it at once); GPT both 2,850,680 B =
 # 0.94 of the bound (ratio 1.000). Both peaks are early in backward, held by activations.
-@pytest.mark.parametrize("n,model,variant", [c for c in CASES if c[0] == 2 and not c[2]])
+@pytest.mark.parametrize("n,model,variant", case_params(
+    [c for c in CASES if c[0] == 2 and not c[2]], "torch_fsdp2"))
 def test_peak_memory_under_the_bound_and_next_to_torch(train_run, n, model, variant):
     run, _ = train_run(n, model, variant, "fsdp2")
     torch_run, _ = train_run(n, model, "", "torch_fsdp2")
@@ -274,7 +269,9 @@ def test_peak_memory_under_the_bound_and_next_to_torch(train_run, n, model, vari
 # 4, in almost every run) or by construction differ by at most one reduce-scatter input that died
 # on gloo's thread between their two bookkeepings. (With torch's tracker on the step after ours,
 # CI once saw 24,637,688 B vs 27,586,296 B on both ranks: a different step.)
-@pytest.mark.parametrize("model", ["cnn", "gpt"])
+@pytest.mark.parametrize("model", [
+    pytest.param(m, marks=pytest.mark.launches(train_job(2, m, "", "torch_fsdp2")))
+    for m in ("cnn", "gpt")])
 def test_our_tracker_agrees_with_torch_fsdp_memtracker(train_run, model):
     run, _ = train_run(2, model, "", "torch_fsdp2")
     for r in run.ranks:
@@ -288,6 +285,7 @@ def test_our_tracker_agrees_with_torch_fsdp_memtracker(train_run, model):
         assert theirs["Sharded Param"] == end["params"]
 
 
+@pytest.mark.launches(train_job(3, "gpt", "", "fsdp2"))
 def test_param_layout_shows_logical_and_physical_shapes(train_run):
     """``param_layout`` (train.py): every parameter is a DTensor of its full shape whose local
     rows are ``chunk_dim0``'s, on every rank."""
@@ -301,6 +299,7 @@ def test_param_layout_shows_logical_and_physical_shapes(train_run):
             assert p["local_shape"] == list(chunk_dim0(full[name], 3)[r].shape)
 
 
+@pytest.mark.launches(*(train_job(2, "gpt", v, "fsdp2") for v in VARIANTS))
 def test_reshard_after_forward_false_keeps_the_blocks_unsharded(train_run):
     """The trade: without resharding after forward the backward all-gathers disappear (the
     communication test) and, at the end of forward, every group is unsharded at once."""

@@ -22,28 +22,24 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn as nn
+from jobs import Job, fixture_of
 
 from minifsdp.fsdp2 import MixedPrecisionPolicy, float8, fsdp_param_group, fully_shard
 from minifsdp.fsdp2.float8 import Float8Weight, enable_float8_all_gather
 
 PARALLEL = 2
-JOB_PREFIX = "fsdp2_float8_"  # the launched fixture in conftest.py runs the jobs
 WORKER = str(Path(__file__).parent / "workers" / "fsdp2_float8_worker.py")
 FP8_MODES = ("fp8", "fp8_bf16")
 N3_PARAM_BOUND = 3e-4  # measured 2.8e-5 (max |ours - simulation|, N = 3, 3 steps)
 
 
-def job(key) -> tuple[str, int, tuple]:
-    return WORKER, key[1], ()
+# the worker at N = 2 and 3, run in runs/tests/fsdp2_float8_worker_2 and _3
+WORKERS = {n: Job(f"worker_{n}", WORKER, n) for n in (2, 3)}
 
 
-def jobs_of(item: pytest.Item) -> list:
-    return [("worker", 2), ("worker", 3)] if "worker" in item.fixturenames else []
-
-
-@pytest.fixture(scope="module")
+@fixture_of(*WORKERS.values())
 def worker(launched) -> dict[int, list[dict]]:
-    return {n: launched["worker", n].result().ranks for n in (2, 3)}
+    return {n: launched[job].result().ranks for n, job in WORKERS.items()}
 
 
 def test_bitwise_with_a_single_process_simulation(worker):

@@ -21,6 +21,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.nn.functional as F
+from jobs import Job, fixture_of
 from torch.distributed.fsdp._fully_shard._fsdp_collectives import _get_gradient_divide_factors
 from torch.distributed.tensor import Shard
 
@@ -32,7 +33,6 @@ from minifsdp.parity import assert_bitwise, assert_close, max_abs_diff
 from minifsdp.train import data_parallel_mesh, make_model, parse_args, shard_units
 
 PARALLEL = 2
-JOB_PREFIX = "fsdp2_hsdp_"  # the launched fixture in conftest.py runs the jobs
 WORKER = str(Path(__file__).parent / "workers" / "fsdp2_hsdp_worker.py")
 GPT_ARGS = ("--model", "gpt", "--n-layer", "2", "--d-model", "32", "--n-head", "4",
             "--seq-len", "32", "--optimizer", "adamw", "--tie-embeddings")
@@ -40,63 +40,53 @@ N, R, S = 4, 2, 2  # HSDP: 2 replicas of 2-rank shard groups
 STEPS, BATCH, TRACKED = 3, 32, 2  # memory[1]: step 2, with Adam's state
 
 
-def job(key) -> tuple[str, int, tuple]:
-    """``("worker",)``, ``("hsdp", strategy)`` or ``("ac", strategy, checkpointing)``."""
-    if key[0] == "worker":
-        return WORKER, N, ()
-    args = ("--strategy", key[1], *GPT_ARGS, "--steps", STEPS, "--global-batch", BATCH,
-            "--save-params")
-    if key[0] == "hsdp":
-        if key[1] == "single":
-            return "minifsdp.train", 1, (*args, "--data-shards", N)
-        track = ("--track-memory", TRACKED) if key[1] == "fsdp2" else ()
-        return "minifsdp.train", N, (*args, "--hsdp", R, *track)
-    _, strategy, ac = key
-    return "minifsdp.train", 2, (*args, "--dropout", "0.1",
-                                 *(("--activation-checkpointing",) if ac else ()),
-                                 *(("--track-memory", TRACKED) if strategy == "fsdp2" else ()))
+def train_job(name: str, nproc: int, strategy: str, *extra) -> Job:
+    """``minifsdp.train --strategy strategy`` on the GPT, run in runs/tests/fsdp2_hsdp_<name>."""
+    args = ("--strategy", strategy, *GPT_ARGS, "--steps", STEPS, "--global-batch", BATCH,
+            "--save-params", *extra)
+    return Job(name, "minifsdp.train", nproc, args)
 
 
-HSDP_JOBS = [("hsdp", s) for s in ("fsdp2", "torch_fsdp2", "single")]
-AC_JOBS = [("ac", "fsdp2", True), ("ac", "fsdp2", False), ("ac", "torch_fsdp2", True)]
-
-
-def jobs_of(item: pytest.Item) -> list:
-    if "worker" in item.fixturenames:
-        return [("worker",)]
-    if "hsdp_run" in item.fixturenames:
-        return HSDP_JOBS
-    if "ac_run" in item.fixturenames:
-        return AC_JOBS
-    return []
+# HSDP at N = 4 on the 2 x 2 mesh, next to torch's and one process's
+HSDP_JOBS = {
+    "fsdp2": train_job("hsdp_fsdp2", N, "fsdp2", "--hsdp", R, "--track-memory", TRACKED),
+    "torch_fsdp2": train_job("hsdp_torch_fsdp2", N, "torch_fsdp2", "--hsdp", R),
+    "single": train_job("hsdp_single", 1, "single", "--data-shards", N),
+}
+# activation checkpointing at N = 2, with dropout: (strategy, checkpointing) -> job
+AC_JOBS = {(s, ac): train_job(f"ac_{s}_{ac}", 2, s, "--dropout", "0.1",
+                              *(("--activation-checkpointing",) if ac else ()),
+                              *(("--track-memory", TRACKED) if s == "fsdp2" else ()))
+           for s, ac in [("fsdp2", True), ("fsdp2", False), ("torch_fsdp2", True)]}
+WORKER_JOB = Job("worker", WORKER, N)
 
 
 def _getter(launched):
     @functools.cache
-    def get(*key) -> tuple[RunResult, dict[str, torch.Tensor]]:
-        run = launched[key].result()
+    def get(job: Job) -> tuple[RunResult, dict[str, torch.Tensor]]:
+        run = launched[job].result()
         return run, torch.load(run.out_dir / "params.pt", weights_only=True)
 
     return get
 
 
-@pytest.fixture(scope="module")
+@fixture_of(*HSDP_JOBS.values())
 def hsdp_run(launched):
     """``hsdp_run(strategy)`` -> ``(RunResult, {name: full final parameter})``."""
     get = _getter(launched)
-    return lambda strategy: get("hsdp", strategy)
+    return lambda strategy: get(HSDP_JOBS[strategy])
 
 
-@pytest.fixture(scope="module")
+@fixture_of(*AC_JOBS.values())
 def ac_run(launched):
     """``ac_run(strategy, checkpointing)`` -> ``(RunResult, {name: full final parameter})``."""
     get = _getter(launched)
-    return lambda strategy, ac: get("ac", strategy, ac)
+    return lambda strategy, ac: get(AC_JOBS[strategy, ac])
 
 
-@pytest.fixture(scope="module")
+@fixture_of(WORKER_JOB)
 def worker(launched) -> list[dict]:
-    return launched["worker",].result().ranks
+    return launched[WORKER_JOB].result().ranks
 
 
 def groups() -> list[list[torch.Tensor]]:

@@ -25,6 +25,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn as nn
+from jobs import Job, fixture_of
 from torch.distributed.fsdp import MixedPrecisionPolicy as TorchPolicy
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.fsdp._fully_shard._fsdp_collectives import _get_gradient_divide_factors
@@ -36,22 +37,18 @@ from minifsdp.numerics import adam_divergence_bound
 from minifsdp.train import parse_args
 
 PARALLEL = 2
-JOB_PREFIX = "fsdp2_mp_"  # the launched fixture in conftest.py runs the jobs
+JOB_PREFIX = "fsdp2_mp_"  # run names: runs/tests/fsdp2_mp_<job name>
 WORKER = str(Path(__file__).parent / "workers" / "fsdp2_mp_worker.py")
 bf16, fp16, fp32 = torch.bfloat16, torch.float16, torch.float32
 
 
-def job(key) -> tuple[str, int, tuple]:
-    return WORKER, key[1], ()
+# the worker at N = 2 and 3, run in runs/tests/fsdp2_mp_worker_2 and _3
+WORKERS = {n: Job(f"worker_{n}", WORKER, n) for n in (2, 3)}
 
 
-def jobs_of(item: pytest.Item) -> list:
-    return [("worker", 2), ("worker", 3)] if "worker" in item.fixturenames else []
-
-
-@pytest.fixture(scope="module")
+@fixture_of(*WORKERS.values())
 def worker(launched) -> dict[int, list[dict]]:
-    return {n: launched["worker", n].result().ranks for n in (2, 3)}
+    return {n: launched[job].result().ranks for n, job in WORKERS.items()}
 
 
 def cases(worker, suffix: str):

@@ -20,6 +20,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.nn as nn
+from jobs import Job, fixture_of
 
 from minifsdp import comm
 from minifsdp.fsdp2 import FSDPModule, ShardedState, UnshardHandle, fully_shard
@@ -27,25 +28,17 @@ from minifsdp.models import GPT, GPTConfig
 from minifsdp.train import STRATEGIES, parse_args
 
 PARALLEL = 2
-JOB_PREFIX = "fsdp2_prefetch_"  # the launched fixture in conftest.py runs the jobs
 WORKER = str(Path(__file__).parent / "workers" / "fsdp2_prefetch_worker.py")
 WORLDS = {2: ("order", "memory"), 3: ("order",)}
 
 
-def job(key) -> tuple[str, int, tuple]:
-    _, n = key
-    return WORKER, n, WORLDS[n]
+# the worker at each N with what it checks there, run in runs/tests/fsdp2_prefetch_worker_2, _3
+WORKERS = {n: Job(f"worker_{n}", WORKER, n, checks) for n, checks in WORLDS.items()}
 
 
-def jobs_of(item: pytest.Item) -> list:
-    if "worker" in item.fixturenames:
-        return [("worker", n) for n in WORLDS]
-    return []
-
-
-@pytest.fixture(scope="module")
+@fixture_of(*WORKERS.values())
 def worker(launched) -> dict[int, list[dict]]:
-    return {n: launched["worker", n].result().ranks for n in WORLDS}
+    return {n: launched[job].result().ranks for n, job in WORKERS.items()}
 
 
 # ---- order -------------------------------------------------------------------------------------

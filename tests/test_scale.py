@@ -6,7 +6,8 @@ seq_len 31, Psi = 3,402,465 -- so that every kind of padding is exercised: ZeRO'
 (Psi odd), FSDP2's dim-0 rows (509, 31, 255, 765 rows), FSDP1's 16-byte alignment. The
 predictions (``exact=True``) must equal the comm log's wire bytes and the memory timeline's
 model-state bytes *exactly*, on both ranks (FSDP2's ranks differ: rank 1 owns fewer rows).
-Six launches, ``PARALLEL`` at a time: ~40 s on an idle 2-core machine.
+Six launches, each declared by the test that reads it (tests/jobs.py), ``PARALLEL`` at a time:
+~40 s on an idle 2-core machine.
 
 ``minifsdp.scale_time`` (seconds, MFU) is checked by exact arithmetic on hand-computed cases,
 its wire bytes against ``comm_by_op``, and its collective-time law against gloo: one launch of
@@ -17,6 +18,7 @@ import math
 
 import pytest
 import torch
+from jobs import Job
 
 from minifsdp import analytic
 from minifsdp.models import GPTConfig, build_model, count_params
@@ -52,7 +54,6 @@ from minifsdp.scale_time import (
 from minifsdp.train import shard_units
 
 PARALLEL = 2
-JOB_PREFIX = "scale_"  # the launched fixture in conftest.py runs the jobs
 GPT = dict(vocab_size=509, seq_len=31, n_layer=4, n_head=5, d_model=255)
 TRAIN_ARGS = ("--model", "gpt", *[a for k, v in GPT.items()
                                    for a in ("--" + k.replace("_", "-"), v)],
@@ -68,20 +69,11 @@ RUNS = {
 }
 
 
-COMM_TIME = "comm_time"  # the gloo timing job: minifsdp.demos.comm_time at N = 4 (and 2)
-
-
-def job(key) -> tuple[str, int, tuple]:
-    if key == COMM_TIME:
-        return "minifsdp.demos.comm_time", 4, ("--reps", 5)
-    return "minifsdp.train", 2, (*RUNS[key][2], *TRAIN_ARGS)
-
-
-def jobs_of(item: pytest.Item) -> list:
-    if item.name.startswith("test_gloo"):
-        return [COMM_TIME]
-    return [item.callspec.params["run"]] if hasattr(item, "callspec") and \
-        "run" in item.callspec.params else []
+# the validation runs (runs/tests/scale_ddp, ...) and the gloo timing job (scale_comm_time):
+# minifsdp.demos.comm_time at N = 4 (and 2)
+TRAIN_JOBS = {run: Job(run, "minifsdp.train", 2, (*args, *TRAIN_ARGS))
+              for run, (_, _, args) in RUNS.items()}
+COMM_TIME = Job("comm_time", "minifsdp.demos.comm_time", 4, ("--reps", 5))
 
 
 def test_shapes_are_the_real_models():
@@ -100,12 +92,13 @@ def test_shapes_are_the_real_models():
     assert tied.num_params() == count_params(build_model("gpt", tie_embeddings=True))
 
 
-@pytest.mark.parametrize("run", list(RUNS))
+@pytest.mark.parametrize("run", [pytest.param(run, marks=pytest.mark.launches(job))
+                                 for run, job in TRAIN_JOBS.items()])
 def test_predicted_bytes_equal_measured(launched, run):
     """Wire bytes per step by collective, and params / grads / Adam state per rank."""
     strategy, mp, _ = RUNS[run]
     t = Transformer.from_gpt(GPTConfig(**GPT))
-    result = launched[run].result()
+    result = launched[TRAIN_JOBS[run]].result()
     for rank, data in enumerate(result.ranks):
         got = measured(data)
         want = comm_by_op(t, strategy, 2, mp=mp, exact=True)
@@ -352,6 +345,7 @@ def test_published_comparison():
             assert t["tokens_per_s"] > row["tps"] and t["mfu"] > published_mfu(row)
 
 
+@pytest.mark.launches(COMM_TIME)
 def test_gloo_collective_times(launched):
     """The collective-time law on gloo (Note [checking the time model on gloo]): the messages
     of a real FSDP2 step are those comm_by_op predicts, and their measured time, summed, is

@@ -3,20 +3,21 @@ process fed the same global batches (Note [same global batch]), and bad argument
 an error that says what is wrong.
 
 A launch costs 8-15 s on 2 cores, mostly importing torch and torchvision, during which a
-core is often idle. The fixture ``launched`` (tests/conftest.py) therefore starts every job
-the selected tests need, ``PARALLEL`` at a time (10 jobs: ~60 s instead of ~120 s), and each
-test waits for the ones it reads. All jobs use gloo on the CPU, also on a machine with GPUs.
+core is often idle. Each test declares the jobs it reads (tests/jobs.py), and the fixture
+``launched`` (tests/conftest.py) therefore starts every job the selected tests need,
+``PARALLEL`` at a time (10 jobs: ~60 s instead of ~120 s), and each test waits for the ones
+it reads. All jobs use gloo on the CPU, also on a machine with GPUs.
 """
 
 import functools
 
 import pytest
 import torch
+from jobs import Job
 
 from minifsdp.launch import RunResult, WorkerError
 
 PARALLEL = 2  # torchrun jobs at once; 1 runs them one after another
-JOB_PREFIX = "train_"  # the launched fixture in conftest.py runs the jobs
 STEPS, GLOBAL_BATCH, WORLD = 4, 32, 2
 EVAL_SAMPLES = 1000  # --eval on the first 1,000 test images: ~0.4 s of one core a job
 MODEL_ARGS = {
@@ -28,7 +29,7 @@ DISTRIBUTED = {"cnn": ["torch_ddp", "torch_fsdp1", "torch_fsdp2"],
                "gpt": ["torch_ddp", "torch_fsdp2"]}
 CASES = [(m, s) for m, strategies in DISTRIBUTED.items() for s in strategies]
 
-# Bad input: job key -> (nproc, arguments, what the error must say).
+# Bad input: job name -> (nproc, arguments, what the error must say).
 BAD = {
     "bad_batch": (4, ("--strategy", "torch_ddp", "--global-batch", 30, "--steps", 1),
                   ["--global-batch 30 is not divisible by 4 ranks"]),
@@ -40,35 +41,32 @@ BAD = {
 }
 
 
-def job(key) -> tuple[str, int, tuple]:
-    """``(target, nproc, arguments)`` of a job: ``(model, strategy)`` or a key of ``BAD``."""
-    if key in BAD:
-        return ("minifsdp.train", *BAD[key][:2])
-    model, strategy = key
+def train_job(model: str, strategy: str) -> Job:
+    """``minifsdp.train`` with ``strategy`` on ``model``, run in
+    runs/tests/train_<model>_<strategy>."""
     args = ("--strategy", strategy, *MODEL_ARGS[model], "--steps", STEPS,
             "--global-batch", GLOBAL_BATCH, "--save-params")
     if model == "cnn":  # evaluated after training: the saved parameters must not change
         args = (*args, "--eval", "--eval-samples", EVAL_SAMPLES)
+    name = f"{model}_{strategy}"
     if strategy == "single":  # one process fed the global batches of WORLD ranks
-        return "minifsdp.train", 1, (*args, "--data-shards", WORLD)
+        return Job(name, "minifsdp.train", 1, (*args, "--data-shards", WORLD))
     if strategy == "single_full":  # the same, with one backward over the whole batch
-        return ("minifsdp.train", 1,
-                (*args[:1], "single", *args[2:], "--data-shards", WORLD, "--full-batch"))
-    return "minifsdp.train", WORLD, args
+        return Job(name, "minifsdp.train", 1,
+                   (*args[:1], "single", *args[2:], "--data-shards", WORLD, "--full-batch"))
+    return Job(name, "minifsdp.train", WORLD, args)
 
 
-def jobs_of(item: pytest.Item) -> list:
-    """The jobs a collected test reads, from its parameters."""
-    p = item.callspec.params if hasattr(item, "callspec") else {}
-    if "bad" in p:
-        return [p["bad"]]
-    if "strategy" in p:
-        return [(p["model"], "single"), (p["model"], p["strategy"])]
-    if "model" in p:
-        return [(p["model"], s) for s in ["single", *DISTRIBUTED[p["model"]]]]
-    if item.name == "test_full_batch_reference_agrees_to_rounding":
-        return [("cnn", "single_full"), ("cnn", "single")]
-    return []
+BAD_JOBS = {key: Job(key, "minifsdp.train", nproc, args) for key, (nproc, args, _) in BAD.items()}
+
+
+def reads(model: str, *strategies: str) -> pytest.MarkDecorator:
+    """The mark of a test (or parameter set) that reads ``model``'s runs of ``strategies``."""
+    return pytest.mark.launches(*(train_job(model, s) for s in strategies))
+
+
+# each distributed run next to the one process's run of the same model
+VS_SINGLE = [pytest.param(m, s, marks=reads(m, "single", s)) for m, s in CASES]
 
 
 @pytest.fixture(scope="module")
@@ -77,13 +75,14 @@ def train_run(launched):
 
     @functools.cache
     def get(model: str, strategy: str) -> tuple[RunResult, dict[str, torch.Tensor]]:
-        run = launched[model, strategy].result()
+        run = launched[train_job(model, strategy)].result()
         return run, torch.load(run.out_dir / "params.pt", weights_only=True)
 
     return get
 
 
-@pytest.mark.parametrize("model,strategy", CASES)
+@pytest.mark.parametrize("model,strategy", [pytest.param(m, s, marks=reads(m, s))
+                                            for m, s in CASES])
 def test_every_rank_logs_the_global_loss_of_every_step(train_run, model, strategy):
     run, _ = train_run(model, strategy)
     assert [r["rank"] for r in run.ranks] == list(range(WORLD))
@@ -94,7 +93,7 @@ def test_every_rank_logs_the_global_loss_of_every_step(train_run, model, strateg
         assert r["losses"] == run.ranks[0]["losses"]  # global_mean: the same on every rank
 
 
-@pytest.mark.parametrize("model,strategy", CASES)
+@pytest.mark.parametrize("model,strategy", VS_SINGLE)
 def test_losses_match_one_process_bit_for_bit(train_run, model, strategy):
     """Note [bitwise parity] in minifsdp/train.py: one process accumulating its 2 shards'
     gradients (each loss / 2) does exactly the float operations of 2 ranks."""
@@ -105,7 +104,7 @@ def test_losses_match_one_process_bit_for_bit(train_run, model, strategy):
     assert got == ref
 
 
-@pytest.mark.parametrize("model,strategy", CASES)
+@pytest.mark.parametrize("model,strategy", VS_SINGLE)
 def test_final_parameters_match_one_process_bit_for_bit(train_run, model, strategy):
     _, ref = train_run(model, "single")
     _, got = train_run(model, strategy)
@@ -115,6 +114,7 @@ def test_final_parameters_match_one_process_bit_for_bit(train_run, model, strate
             f"{strategy} vs single: {k} differs by {float((got[k] - ref[k]).abs().max())}")
 
 
+@reads("cnn", "single_full", "single")
 def test_full_batch_reference_agrees_to_rounding(train_run):
     """The textbook reference -- one backward over the 32-sample mean -- is the same
     mathematics in another summation order: equal to rounding, not bit for bit. Measured
@@ -132,7 +132,7 @@ def test_full_batch_reference_agrees_to_rounding(train_run):
     torch.testing.assert_close(ref_full, ref, atol=1e-4, rtol=0)
 
 
-@pytest.mark.parametrize("model,strategy", CASES)
+@pytest.mark.parametrize("model,strategy", VS_SINGLE)
 def test_saved_parameters_have_the_unwrapped_names(train_run, model, strategy):
     _, ref = train_run(model, "single")
     _, got = train_run(model, strategy)
@@ -144,7 +144,8 @@ def test_saved_parameters_have_the_unwrapped_names(train_run, model, strategy):
         assert (got[k].shape, got[k].dtype) == (ref[k].shape, ref[k].dtype), k
 
 
-@pytest.mark.parametrize("model", sorted(DISTRIBUTED))
+@pytest.mark.parametrize("model", [pytest.param(m, marks=reads(m, *DISTRIBUTED[m]))
+                                   for m in sorted(DISTRIBUTED)])
 def test_distributed_strategies_agree_bit_for_bit(train_run, model):
     """At 2 ranks every strategy averages the same two local gradients (a sum of two numbers
     does not depend on the order, and halving is exact) and Adam is elementwise, so DDP,
@@ -159,7 +160,8 @@ def test_distributed_strategies_agree_bit_for_bit(train_run, model):
                 f"{strategy} vs torch_ddp: {k} differs by {float((got[k] - ref[k]).abs().max())}")
 
 
-@pytest.mark.parametrize("model", sorted(DISTRIBUTED))
+@pytest.mark.parametrize("model", [pytest.param(m, marks=reads(m, "single"))
+                                   for m in sorted(DISTRIBUTED)])
 def test_training_moved_every_parameter(train_run, model):
     """Parity is vacuous if nothing trained: every tensor left its initial value."""
     from minifsdp.dist import seed_everything
@@ -175,7 +177,8 @@ def test_training_moved_every_parameter(train_run, model):
     assert min(moved.values()) > 1e-4, moved  # Adam moves a weight by up to lr = 1e-3 a step
 
 
-@pytest.mark.parametrize("model", ["cnn"])
+@pytest.mark.parametrize("model", [pytest.param("cnn", marks=reads("cnn", "single",
+                                                                  *DISTRIBUTED["cnn"]))])
 def test_test_accuracy_is_the_same_count_where_the_parameters_are_bitwise_equal(train_run, model):
     """``--eval`` (Note [test accuracy] in minifsdp/train.py): every rank reports the
     all-reduced sums over exactly EVAL_SAMPLES images, counted once. DDP, FSDP1, FSDP2 and one
@@ -221,10 +224,11 @@ def test_evaluation_counts_every_image_once_on_uneven_shards(monkeypatch):
     assert model.training  # evaluate() leaves the model in training mode
 
 
-@pytest.mark.parametrize("bad", sorted(BAD))
+@pytest.mark.parametrize("bad", [pytest.param(k, marks=pytest.mark.launches(BAD_JOBS[k]))
+                                 for k in sorted(BAD)])
 def test_bad_input_is_a_clear_error(launched, bad):
     with pytest.raises(WorkerError) as err:
-        launched[bad].result()
+        launched[BAD_JOBS[bad]].result()
     assert err.value.rank is not None  # the launcher found the rank that failed
     for words in BAD[bad][2]:
         assert words in str(err.value)

@@ -7,8 +7,9 @@ and ``torch_ddp`` at the same N: both stages for the CNN (Adam) and the small GP
 N = 2; ZeRO-1 on the GPT at N = 3 and ZeRO-2 on the CNN at N = 4, where the parameter counts
 leave a remainder (GPT 30,592 = 3k + 1, CNN 1,199,882 = 4k + 2), so the padding is exercised.
 One more launch, ``tests/workers/zero_worker.py`` at N = 2, covers other optimizers, many
-buckets, gradient accumulation and the memory of a multi-bucket step. As in test_train.py,
-the module fixture starts every job the selected tests need, ``PARALLEL`` at a time (15 jobs,
+buckets, gradient accumulation and the memory of a multi-bucket step. Each test declares the
+runs it reads (tests/jobs.py) and, as in test_train.py, the module fixture ``launched`` starts
+every job the selected tests need, ``PARALLEL`` at a time (15 jobs,
 ~170 s of CPU: ~105 s on an otherwise idle 2-core machine).
 """
 
@@ -18,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from jobs import Job, fixture_of
 
 from minifsdp import analytic
 from minifsdp.launch import RunResult
@@ -25,7 +27,6 @@ from minifsdp.parity import assert_bitwise, assert_close, max_abs_diff
 from minifsdp.zero import flatten_into_buckets, setup_zero
 
 PARALLEL = 2
-JOB_PREFIX = "zero_"  # the launched fixture in conftest.py runs the jobs
 WORKER = str(Path(__file__).parent / "workers" / "zero_worker.py")
 MODEL_ARGS = {
     "cnn": ("--model", "cnn", "--optimizer", "adam"),
@@ -43,29 +44,24 @@ PADDED = {(3, "gpt"), (4, "cnn")}  # psi % N != 0: the cases with padding
 TRACKED = 2  # --track-memory: step 2 has Adam's state from the start (memory[1])
 
 
-def job(key) -> tuple[str, int, tuple]:
-    """``(target, nproc, arguments)`` of ``(n, model, strategy)``, or of the worker."""
-    if key == "worker":
-        return WORKER, 2, ()
-    n, model, strategy = key
+def train_job(n: int, model: str, strategy: str) -> Job:
+    """``minifsdp.train`` with ``strategy`` at N = n (``single`` on one process, with n data
+    shards), run in runs/tests/zero_<n>_<model>_<strategy>."""
     _, _, steps, batch = WORLDS[n]
     args = ("--strategy", strategy, *MODEL_ARGS[model], "--steps", steps,
             "--global-batch", batch, "--save-params")
     if strategy == "single":
-        return "minifsdp.train", 1, (*args, "--data-shards", n)
+        return Job(f"{n}_{model}_single", "minifsdp.train", 1, (*args, "--data-shards", n))
     if strategy.startswith("zero"):
         args += ("--track-memory", TRACKED)
-    return "minifsdp.train", n, args
+    return Job(f"{n}_{model}_{strategy}", "minifsdp.train", n, args)
 
 
-def jobs_of(item: pytest.Item) -> list:
-    p = item.callspec.params if hasattr(item, "callspec") else {}
-    if "worker" in item.fixturenames:
-        return ["worker"]
-    if "n" in p:
-        refs = ["single", "torch_ddp"] if "parity" in item.name else []
-        return [(p["n"], p["model"], s) for s in [*refs, p["strategy"]]]
-    return []
+WORKER_JOB = Job("worker", WORKER, 2)
+# each case reads its ZeRO run; the parity test also the references at the same N and model
+CASES = [pytest.param(*c, marks=pytest.mark.launches(train_job(*c))) for c in ZERO_CASES]
+PARITY_CASES = [pytest.param(n, m, s, marks=pytest.mark.launches(
+    *(train_job(n, m, ref) for ref in ("single", "torch_ddp", s)))) for n, m, s in ZERO_CASES]
 
 
 @pytest.fixture(scope="module")
@@ -74,15 +70,15 @@ def train_run(launched):
 
     @functools.cache
     def get(n: int, model: str, strategy: str) -> tuple[RunResult, dict[str, torch.Tensor]]:
-        run = launched[n, model, strategy].result()
+        run = launched[train_job(n, model, strategy)].result()
         return run, torch.load(run.out_dir / "params.pt", weights_only=True)
 
     return get
 
 
-@pytest.fixture(scope="module")
+@fixture_of(WORKER_JOB)
 def worker(launched) -> list[dict]:
-    return launched["worker"].result().ranks
+    return launched[WORKER_JOB].result().ranks
 
 
 def shard_numel(psi: int, n: int) -> int:
@@ -115,7 +111,7 @@ def reference_gap(train_run, n: int, model: str) -> tuple[float, float]:
                                                     ddp_run.ranks[0]["losses"])
 
 
-@pytest.mark.parametrize("n,model,strategy", ZERO_CASES)
+@pytest.mark.parametrize("n,model,strategy", PARITY_CASES)
 def test_parity_with_one_process_and_torch_ddp(train_run, n, model, strategy):
     """N = 2: bit for bit (Note [bitwise parity] in minifsdp/train.py: (a + b) / 2 is exact
     in any order, and the optimizer is elementwise). N = 3, 4: as close as DDP (see above)."""
@@ -146,7 +142,7 @@ def peak(rank_json: dict, category: str) -> int:
     return max(s[category] for s in rank_json["memory"][TRACKED - 1]["timeline"])
 
 
-@pytest.mark.parametrize("n,model,strategy", ZERO_CASES)
+@pytest.mark.parametrize("n,model,strategy", CASES)
 def test_optimizer_state_is_one_nth(train_run, n, model, strategy):
     """Adam's state on each rank: exp_avg and exp_avg_sq of the shard (ceil(psi / N)
     elements, the padding included) and one 0-d fp32 step counter for the one shard tensor:
@@ -165,7 +161,7 @@ def test_optimizer_state_is_one_nth(train_run, n, model, strategy):
     assert (n * s > psi) == ((n, model) in PADDED)
 
 
-@pytest.mark.parametrize("n,model,strategy", ZERO_CASES)
+@pytest.mark.parametrize("n,model,strategy", CASES)
 def test_gradients_full_at_stage_1_and_one_nth_at_stage_2(train_run, n, model, strategy):
     """Stage 1: the flat gradient buffer, N * ceil(psi / N) fp32 (the p.grad are views into
     it). Stage 2: only this rank's shard of it ever exists as a gradient, ceil(psi / N) fp32,
@@ -185,7 +181,7 @@ def test_gradients_full_at_stage_1_and_one_nth_at_stage_2(train_run, n, model, s
             assert peak(r, "comm") == 4 * n * s  # the single bucket, while backward fills it
 
 
-@pytest.mark.parametrize("n,model,strategy", ZERO_CASES)
+@pytest.mark.parametrize("n,model,strategy", CASES)
 def test_communication_volume(train_run, n, model, strategy):
     """Per step, S = 4 N ceil(psi / N) bytes: ZeRO-1 all-reduces the gradient (2(N-1)/N S)
     and all-gathers the parameters ((N-1)/N S), 1.5x DDP; ZeRO-2 reduce-scatters instead
