@@ -66,6 +66,7 @@ same unit (Note [tied parameters across units] in ``wrap.py``).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -294,30 +295,38 @@ class FlatParamHandle:
 
     # ---- unshard / reshard ------------------------------------------------------------------
 
-    def unshard(self, tag_: str | None = None) -> None:
-        """Re-allocate the unsharded storage and all-gather the N shards into it (a copy to the
-        compute device when not sharded but offloaded). A no-op if already unsharded.
-        ``tag_`` labels the collective in the comm log."""
+    def unshard(self, tag_: str | None = None) -> None:  # seam "flat_param.unshard" (lab 04)
+        """Give the unsharded storage its bytes back and all-gather the N shards into it (a copy
+        to the compute device when not sharded but offloaded): the views autograd saved see the
+        parameters again (Note [freeing storage]). A no-op if already unsharded. ``tag_``
+        labels the collective in the comm log."""
         if self.is_unsharded:
             return
         self._buffer.untyped_storage().resize_(self._buffer.numel() * self._buffer.element_size())
         tag(self._buffer, "params")  # Note [memory categories] in fully_sharded.py
         with torch.no_grad():
-            self._gather_into(self._buffer, tag_)
+            if self.sharded:
+                comm.all_gather_into_tensor(self._buffer, self.gather_input(),
+                                            self.process_group, tag=tag_)
+            else:  # NO_SHARD + offload / mixed precision: a copy (and cast)
+                self._buffer.copy_(self.flat_param)
         self.is_unsharded = True
 
-    def _gather_into(self, out: torch.Tensor, tag_: str | None) -> None:
-        if not self.sharded:  # NO_SHARD + offload / mixed precision: a copy (and cast)
-            out.copy_(self.flat_param)
-            return
+    def gather_input(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """What this rank sends to the all-gather: its shard, detached, on the compute device (a
+        copy under CPU offload: Note [CPU offload] in ``fully_sharded.py``) and in ``dtype``
+        (default: the compute dtype; a cast under mixed precision, so the all-gather moves half
+        the bytes: Note [FSDP1 mixed precision] in ``options.py``). Without either knob, the
+        shard itself."""
         shard = self.flat_param.detach()
-        if self.offload:  # Note [CPU offload] in fully_sharded.py
+        if self.offload:
             shard = shard.to(self.device, copy=True)
             tag(shard, "comm")
-        if shard.dtype != out.dtype:  # Note [FSDP1 mixed precision]: cast the shard, gather 1/2
-            shard = shard.to(out.dtype)
+        dtype = dtype if dtype is not None else self.compute_dtype
+        if shard.dtype != dtype:
+            shard = shard.to(dtype)
             tag(shard, "comm")
-        comm.all_gather_into_tensor(out, shard, self.process_group, tag=tag_)
+        return shard
 
     @torch.no_grad()
     def unshard_full_precision(self, tag_: str | None = None) -> None:
@@ -330,7 +339,11 @@ class FlatParamHandle:
         if self.sharded or self.offload:
             full = torch.empty(self.padded_numel, dtype=self.flat_param.dtype, device=self.device)
             tag(full, "params")
-            self._gather_into(full, tag_)
+            if self.sharded:
+                comm.all_gather_into_tensor(full, self.gather_input(full.dtype),
+                                            self.process_group, tag=tag_)
+            else:  # NO_SHARD + offload: a copy
+                full.copy_(self.flat_param)
         else:  # NO_SHARD: the flat parameter is the full one
             full = self.flat_param.detach()
         self.unsharded.data = full
@@ -349,6 +362,46 @@ class FlatParamHandle:
         if self._owns_buffer and self.is_unsharded:
             self._buffer.untyped_storage().resize_(0)
             self.is_unsharded = False
+
+    def reduce_grad(self, grad: torch.Tensor, divide: tuple[float, float],
+                    tag_: str | None = None) -> Callable[[], torch.Tensor]:
+        # seam "flat_param.reduce_scatter" (lab 04)
+        """Start averaging the flat gradient ``grad`` (``(padded_numel,)``, this rank's, in the
+        reduce dtype) over the process group; return ``finish``, which waits for the collective
+        and returns this rank's part of the average: ``(shard_numel,)``, elements
+        ``[rank * s, (rank + 1) * s)`` of the padded flat tensor (all of it for NO_SHARD).
+
+        As torch FSDP1: ``grad`` divided by ``divide[0]``, a SUM reduce-scatter (an all-reduce
+        when not sharded), the result divided by ``divide[1]`` (Note [divide before and after]
+        in ``fully_sharded.py``). ``grad`` is consumed: divided in place, and on the CPU its
+        storage is freed as soon as the collective is done (Note [final callback]).
+
+        Example (2 ranks, every rank's ``grad`` full of 4.0)::
+
+            finish = handle.reduce_grad(grad, (2.0, 1.0), "unit grad")   # issued, not waited
+            finish()                 # (padded_numel / 2,) of 4.0; grad's storage: 0 bytes
+        """
+        before, after = divide
+        if before > 1:
+            grad.div_(before)
+        if self.sharded:
+            out = grad.new_empty(self.shard_numel)
+            tag(out, "grads")  # Note [memory categories] in fully_sharded.py
+            work = comm.reduce_scatter_tensor(out, grad, group=self.process_group,
+                                              async_op=True, tag=tag_)
+        else:
+            out = grad
+            work = comm.all_reduce(grad, group=self.process_group, async_op=True, tag=tag_)
+
+        def finish() -> torch.Tensor:
+            work.wait()
+            if grad is not out and grad.device.type == "cpu":
+                # freed now, not when gloo's thread lets go of its work (Note [final callback])
+                grad.untyped_storage().resize_(0)
+            if after > 1:
+                out.div_(after)
+            return out
+        return finish
 
     @torch.no_grad()
     def write_back(self) -> None:

@@ -361,18 +361,8 @@ class FullyShardedDataParallel(nn.Module):
         """(root) Average ``grad`` over ranks into ``unit``'s shard gradient (asynchronously where
         the device has streams)."""
         self._finish_pending()
-        before, _ = unit._divide
-        if before > 1:  # Note [divide before and after]
-            grad.div_(before)
-        if unit._handle.sharded:
-            out = grad.new_empty(unit._handle.shard_numel)
-            tag(out, "grads")
-            work = comm.reduce_scatter_tensor(out, grad, group=unit._group, async_op=True,
-                                              tag=f"{unit._name} grad")
-        else:
-            out = grad
-            work = comm.all_reduce(grad, group=unit._group, async_op=True, tag=f"{unit._name} grad")
-        self._pending = (unit, work, grad, out)
+        finish = unit._handle.reduce_grad(grad, unit._divide, f"{unit._name} grad")
+        self._pending = (unit, finish)  # holds the input until the collective is done
         if grad.device.type == "cpu":  # no stream to overlap on (Note [final callback])
             self._finish_pending()
 
@@ -381,15 +371,9 @@ class FullyShardedDataParallel(nn.Module):
         """(root) Wait for the collective in flight; its result joins the shard's ``.grad``."""
         if self._pending is None:
             return
-        unit, work, grad, out = self._pending  # the input lives until the collective is done
+        unit, finish = self._pending
         self._pending = None
-        work.wait()
-        if grad is not out and grad.device.type == "cpu":
-            # freed now, not when gloo's thread lets go of its work (Note [final callback])
-            grad.untyped_storage().resize_(0)
-        _, after = unit._divide
-        if after > 1:
-            out.div_(after)
+        out = finish()
         flat = unit._handle.flat_param
         if out.dtype != flat.dtype:  # Note [FSDP1 mixed precision]: reduced, then full precision
             out = out.to(flat.dtype)

@@ -74,6 +74,11 @@ def check_fsdp1_step_wire_bytes(fn, measured: list[tuple] | None = None) -> bool
 
 LAYOUT, SHARD, VIEWS, RESHARD = ("flat_param.layout", "flat_param.shard", "flat_param.views",
                                  "flat_param.reshard")
+UNSHARD, REDUCE = "flat_param.unshard", "flat_param.reduce_scatter"
+COLLECTIVES = "collectives of the step (op, tag, input shape, dtype, group size)"
+# fp16 values whose sum over N ranks overflows (> 65504) unless each is first divided by the
+# pre-division factor; every partial sum is exact (Note [divide before and after])
+FP16_NEAR_MAX = {2: 32768.0, 3: 24576.0}
 
 
 def _lab_mlp() -> torch.nn.Module:
@@ -154,7 +159,7 @@ def run_lab(t, info) -> None:
     from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
     from torch.distributed.fsdp import wrap
 
-    from minifsdp import fsdp1
+    from minifsdp import comm, fsdp1
     from minifsdp.train import loss_fn
 
     n, r, dev = info.world_size, info.rank, info.device
@@ -187,10 +192,26 @@ def run_lab(t, info) -> None:
     if not equal.item():
         return
     with t.case("unshard: the original names are views of the gathered flat tensor",
-                (VIEWS, RESHARD)):
-        for u in units:
+                (UNSHARD, VIEWS, RESHARD)):
+        for u, mask in zip(units, masks):
             h = u._handle
-            h.unshard()
+            stale = [getattr(i.module, i.name) for i in h.infos]  # views of the freed storage
+            version = h.unsharded._version
+            with comm.logging_comm() as log:
+                h.unshard(f"lab {u._name}")
+                h.unshard(f"lab {u._name} again")  # already unsharded: nothing to do
+            t.expect(f"unit {u._name}: version counter of handle.unsharded (and of the views "
+                     "autograd saved) after unshard", h.unsharded._version, version)
+            t.expect(f"unit {u._name}: collectives of two unshard() calls (op, tag, input shape, "
+                     "dtype, group size)", _collectives(log),
+                     [("all_gather", f"lab {u._name}", (int(mask.numel()),), "float32", n)])
+            t.expect(f"unit {u._name}: is_unsharded after unshard", h.is_unsharded, True)
+            t.expect(f"unit {u._name}: unsharded storage bytes after unshard",
+                     h._buffer.untyped_storage().nbytes(), 4 * h.padded_numel)
+            readable = [t.expect(f"unit {u._name}: {i.fqn}, through the view made before the "
+                                 "free: storage bytes after unshard",
+                                 old.untyped_storage().nbytes(), 4 * h.padded_numel)
+                        for i, old in zip(h.infos, stale)]  # (else reading it would crash)
             h.use_unsharded_views()
             for info_ in h.infos:
                 view = getattr(info_.module, info_.name)
@@ -202,43 +223,67 @@ def run_lab(t, info) -> None:
                          view.untyped_storage().data_ptr() == ptr, True)
                 t.expect(f"{name} is made by autograd from the unsharded flat tensor",
                          view.grad_fn is not None, True)
+            for info_, old, ok in zip(h.infos, stale, readable):  # what backward's saved views see
+                if ok:
+                    t.expect(f"unit {u._name}: {info_.fqn}, through the view made before the "
+                             "free (values)", old.detach(), base.get_parameter(
+                                 f"{u._name}.{info_.fqn}" if u._name != "(root)"
+                                 else info_.fqn).detach())
             h.reshard()
             t.expect(f"unit {u._name}: unsharded storage bytes after reshard",
                      h._buffer.untyped_storage().size(), 0)
             t.expect(f"unit {u._name}: storage bytes behind the modules' views after reshard",
                      _view_bytes(h), 0)
+        _no_shard_mixed(t, info)
     with t.case("NO_SHARD keeps its bytes; a bf16 unit on a process group of one rank",
                 (LAYOUT, SHARD, VIEWS, RESHARD)):
         _no_shard_and_subgroup(t, info)
     if not _all_ranks_matched(t):  # training on a wrong layout would crash, hiding the cause
         return
+    with t.case("reduce-scatter of a flat gradient: integers in fp32, fp16 near overflow, "
+                "NO_SHARD, a process group of one rank", (REDUCE,)):
+        _reduce_cases(t, info)
+    if not _all_ranks_matched(t):
+        return
     with t.case("three Adam steps of 2 micro-batches against torch FSDP1 (FULL_SHARD, 2 units)",
-                (VIEWS, RESHARD)):
+                (UNSHARD, VIEWS, RESHARD, REDUCE)):
         opts = [torch.optim.Adam(m.parameters(), lr=1e-3) for m in (ours, theirs)]
+        torch_units = TorchFSDP.fsdp_modules(theirs)
         for step in range(3):
-            for k in range(2):  # two backwards accumulate before each step
-                g = torch.Generator().manual_seed(2 * step + k)
-                x = torch.randn(4 * n, 33, generator=g)
-                y = torch.randint(0, 10, (4 * n,), generator=g)
-                x, y = x.chunk(n)[r], y.chunk(n)[r]
-                losses = [loss_fn(m(x), y) for m in (ours, theirs)]
-                t.expect(f"loss of micro-batch {k}", losses[0].detach(), losses[1].detach(),
-                         step=step, phase="forward")
-                for u in units[1:]:  # FULL_SHARD frees every unit but the root after forward
-                    t.expect(f"unit {u._name}: unsharded storage bytes after forward",
-                             u._handle._buffer.untyped_storage().size(), 0, step=step,
-                             phase="forward")
-                    t.expect(f"unit {u._name}: storage bytes behind the modules' views after "
-                             "forward", _view_bytes(u._handle), 0, step=step, phase="forward")
-                for loss in losses:
-                    loss.backward()
-            for u in units:
-                t.expect(f"unit {u._name}: the FlatParameter has a gradient",
-                         u._handle.flat_param.grad is not None, True, step=step, phase="backward")
+            with comm.logging_comm() as log:
+                for k in range(2):  # two backwards accumulate before each step
+                    g = torch.Generator().manual_seed(2 * step + k)
+                    x = torch.randn(4 * n, 33, generator=g)
+                    y = torch.randint(0, 10, (4 * n,), generator=g)
+                    # an input that needs its gradient makes unit 0 save its weight, as every
+                    # unit but the first does: the views backward's all-gather must not touch
+                    x, y = x.chunk(n)[r].requires_grad_(), y.chunk(n)[r]
+                    losses = [loss_fn(m(x), y) for m in (ours, theirs)]
+                    t.expect(f"loss of micro-batch {k}", losses[0].detach(), losses[1].detach(),
+                             step=step, phase="forward")
+                    for u in units[1:]:  # FULL_SHARD frees every unit but the root after forward
+                        t.expect(f"unit {u._name}: unsharded storage bytes after forward",
+                                 u._handle._buffer.untyped_storage().size(), 0, step=step,
+                                 phase="forward")
+                        t.expect(f"unit {u._name}: storage bytes behind the modules' views "
+                                 "after forward", _view_bytes(u._handle), 0, step=step,
+                                 phase="forward")
+                    for loss in losses:
+                        loss.backward()
+            t.expect(COLLECTIVES, _collectives(log), _step_collectives(units, masks, n),
+                     step=step, phase="backward")
+            for u, tu, mask in zip(units, torch_units, masks):
+                want = tu._handle.flat_param.grad
+                got = u._handle.flat_param.grad
+                t.expect(f"unit {u._name}: the FlatParameter has a gradient", got is not None,
+                         True, step=step, phase="backward")
+                if got is not None:  # torch's is never None here: a crash if it were
+                    t.expect(f"unit {u._name}: shard gradient (padding zeroed)", got,
+                             want.masked_fill(mask, 0.0), step=step, phase="backward")
             for o in opts:
                 o.step()
                 o.zero_grad(set_to_none=True)
-            for u, tu, mask in zip(units, TorchFSDP.fsdp_modules(theirs), masks):
+            for u, tu, mask in zip(units, torch_units, masks):
                 t.expect(f"unit {u._name}: shard after the step", u._handle.flat_param.detach(),
                          tu._handle.flat_param.detach().masked_fill(mask, 0.0), step=step,
                          phase="optimizer")
@@ -247,7 +292,145 @@ def run_lab(t, info) -> None:
                          phase="optimizer")
 
 
+def _collectives(log) -> list[tuple]:
+    """The log's collectives as sorted ``(op, tag, input shape, dtype, group size)``."""
+    return sorted((c.op, c.tag, tuple(c.shape), c.dtype, c.group_size) for c in log.comms())
+
+
+def _step_collectives(units, masks, n: int) -> list[tuple]:
+    """What one step of 2 micro-batches must issue, from torch's layout (``masks``: each unit's
+    padded numel / N) and Note [sharding strategies]: per micro-batch, each unit all-gathered in
+    forward, the units but the root again in backward (FULL_SHARD frees them after forward), and
+    each unit's flat gradient reduce-scattered once -- never the run's own log."""
+    want = []
+    for u, mask in zip(units, masks):
+        shard, padded = int(mask.numel()), int(mask.numel()) * n
+        want.append(("all_gather", f"{u._name} forward", (shard,), "float32", n))
+        if u is not units[0]:  # units[0] is the root
+            want.append(("all_gather", f"{u._name} backward", (shard,), "float32", n))
+        want.append(("reduce_scatter", f"{u._name} grad", (padded,), "float32", n))
+    return sorted(want * 2)
+
+
+def _no_shard_mixed(t, info) -> None:
+    """A NO_SHARD unit under mixed precision owns a bf16 buffer: unshard is a cast copy of the
+    FlatParameter into it, with no collective (nothing is sharded)."""
+    from minifsdp import comm
+    from minifsdp.fsdp1.flat_param import FlatParamHandle, registered_params
+
+    torch.manual_seed(4)
+    lin = torch.nn.Linear(5, 3)
+    want = {name: p.detach().to(torch.bfloat16) for name, p in lin.named_parameters()}
+    h = FlatParamHandle(registered_params(lin), rank=info.rank, world_size=info.world_size,
+                        sharded=False, param_dtype=torch.bfloat16)
+    with comm.logging_comm() as log:
+        h.unshard("lab no_shard")
+    t.expect("NO_SHARD unit, bf16 compute: collectives of unshard()", _collectives(log), [])
+    t.expect("NO_SHARD unit, bf16 compute: is_unsharded after unshard", h.is_unsharded, True)
+    h.use_unsharded_views()
+    for name, w in want.items():
+        t.expect(f"NO_SHARD unit, bf16 compute: {name} (values)", getattr(lin, name).detach(), w)
+    h.reshard()
+
+
+def _reduce_cases(t, info) -> None:
+    """The reduce-scatter seam called directly on a handle of ``Linear(7, 5)`` (41 elements: a
+    3-element gap, padding at N = 2 and 3). Each rank's gradient is known to every rank, so the
+    expectation is computed here: integer-valued fp32 sums are exact, and the average rounds
+    once, as Note [divide before and after] says torch's two divisions do; fp16 values chosen
+    so that the sum overflows unless divided first; NO_SHARD all-reduces; a group of one rank
+    returns its own gradient."""
+    import torch.distributed as dist
+
+    from minifsdp import comm
+    from minifsdp.fsdp1.flat_param import FlatParamHandle, registered_params
+    from minifsdp.fsdp1.fully_sharded import gradient_divide_factors
+
+    n, r = info.world_size, info.rank
+    torch.manual_seed(6)
+    groups = [dist.new_group([i]) for i in range(n)]  # every rank creates every group
+    for label, dtype, sharded, group in (("fp32", torch.float32, True, None),
+                                         ("fp16 near overflow", torch.float16, True, None),
+                                         ("NO_SHARD", torch.float32, False, None),
+                                         ("a process group of one rank", torch.float32, True,
+                                          groups[r])):
+        if dtype == torch.float16 and n not in FP16_NEAR_MAX:
+            continue
+        lin = torch.nn.Linear(7, 5).to(dtype)
+        size = n if group is None else 1
+        h = FlatParamHandle(registered_params(lin), rank=r if group is None else 0,
+                            world_size=size, sharded=sharded, process_group=group)
+        used = torch.zeros(h.padded_numel, dtype=torch.bool)
+        for i in h.infos:
+            used[i.offset:i.offset + i.numel] = True
+        peers = range(n) if group is None else [r]
+        if dtype == torch.float16:
+            grads = [torch.full((h.padded_numel,), FP16_NEAR_MAX[n], dtype=dtype) for _ in peers]
+        else:
+            grads = [torch.randint(-99, 100, (h.padded_numel,),
+                                   generator=torch.Generator().manual_seed(10 + k)).to(dtype)
+                     for k in peers]
+        grads = [g.masked_fill(~used, 0.0) for g in grads]
+        average = torch.stack(grads).float().sum(0).div(size).to(dtype)  # exact sums
+        s = h.shard_numel
+        want = average[h.rank * s:(h.rank + 1) * s] if sharded else average
+        mine = grads[r if group is None else 0].clone()
+        name = f"reduce_grad, {label}"
+        with comm.logging_comm() as log:
+            finish = h.reduce_grad(mine, gradient_divide_factors(size), f"lab {label}")
+            issued = [(c.op, c.t_end is None) for c in log.comms()]
+            got = finish()
+        op = "reduce_scatter" if sharded else "all_reduce"
+        t.expect(f"{name}: collectives issued before finish() (op, not yet waited for)",
+                 issued, [(op, True)])
+        t.expect(f"{name}: collectives (op, tag, input shape, dtype, group size)",
+                 _collectives(log), [(op, f"lab {label}", (h.padded_numel,),
+                                      str(dtype).removeprefix("torch."), size)])
+        t.expect(f"{name}: finish() waited for the collective",
+                 all(c.t_end is not None for c in log.comms()), True)
+        t.expect(f"{name}: this rank's part of the average", got, want)
+        if sharded:
+            t.expect(f"{name}: storage bytes behind the flat gradient after finish()",
+                     mine.untyped_storage().nbytes(), 0)
+
+
 def hint(name: str, got, expected, n: int) -> str | None:
+    if name.startswith("reduce_grad") or "shard gradient" in name:
+        return _reduce_hint(name, got, expected, n)
+    if "collectives" in name:
+        ops = [c[0] for c in got] if isinstance(got, list) else []
+        want = [c[0] for c in expected] if isinstance(expected, list) else []
+        if not got and expected:
+            return ("no collective in minifsdp.comm's log: communicate through minifsdp.comm "
+                    "(torch.distributed's signatures, plus tag=tag_)")
+        if ops.count("all_gather") > want.count("all_gather"):
+            return ("an all-gather too many: unshard does nothing when the handle is already "
+                    "unsharded (the root keeps its parameters from forward to backward)")
+        if "all_reduce" in ops and "all_reduce" not in want:
+            return ("an all-reduce gives every rank the whole sum; each rank needs only its "
+                    "shard's: one reduce-scatter of the padded flat gradient")
+        if sorted(ops) == sorted(want):
+            return ("the right collectives, but a tag, shape, dtype or group differs: pass "
+                    "tag=tag_, the whole padded tensor and the handle's process group")
+        return ("one all-gather per unshard of a freed unit, one reduce-scatter per unit and "
+                "backward (Note [sharding strategies] in minifsdp/fsdp1/fully_sharded.py)")
+    if "NO_SHARD unit, bf16 compute" in name:
+        return ("a NO_SHARD unit that owns a buffer (here: mixed precision) is not sharded: "
+                "unshard fills the buffer from the FlatParameter itself (a cast copy), no "
+                "collective")
+    if "version counter" in name:
+        return ("the all-gather wrote into handle.unsharded, whose version counter autograd "
+                "checks on the views it saved: write into handle._buffer, the same storage "
+                "with a counter of its own (Note [two tensors, one storage])")
+    if name.endswith("is_unsharded after unshard"):
+        return "unshard leaves handle.is_unsharded True: reshard and the next unshard rely on it"
+    if "through the view made before the free" not in name and name.endswith("after unshard"):
+        return ("unshard gives the freed storage its bytes back (numel x element size) before "
+                "the all-gather writes into it (Note [freeing storage])")
+    if "through the view made before the free" in name:
+        return ("a view made before the free no longer sees the gathered values: gather into "
+                "the same storage, handle._buffer's, resized back to its bytes, not into a new "
+                "tensor (Note [freeing storage], Note [two tensors, one storage])")
     if "NO_SHARD" in name and "bytes" in name:
         return ("NO_SHARD computes on the FlatParameter's own storage (handle._owns_buffer is "
                 "False): reshard must free nothing there (Note [freeing storage])")
@@ -277,15 +460,56 @@ def hint(name: str, got, expected, n: int) -> str | None:
     return None
 
 
+def _reduce_hint(name: str, got, expected, n: int) -> str | None:
+    if "not yet waited" in name and isinstance(got, list) and isinstance(expected, list) and (
+            [c[0] for c in got] != [c[0] for c in expected]):
+        return ("one collective per call: a reduce-scatter of the whole padded flat gradient "
+                "(an all-reduce only when not sharded, where every rank keeps the whole)")
+    if "not yet waited" in name:
+        return ("issue the collective with async_op=True and wait for it in finish(): where "
+                "devices have streams the package calls finish() later, overlapping the next "
+                "unit's backward (Note [final callback])")
+    if "storage bytes" in name:
+        return ("once the collective is done the flat gradient is dead: free its storage with "
+                "untyped_storage().resize_(0) (Note [final callback])")
+    if isinstance(got, torch.Tensor) and isinstance(expected, torch.Tensor) and (
+            got.shape == expected.shape):
+        g, e = got.double(), expected.double()
+        finite = torch.isfinite(g).all().item() and torch.isfinite(e).all().item()
+        if not torch.isfinite(g).all().item() and torch.isfinite(e).all().item():
+            return ("the sum overflowed: torch FSDP1 divides each rank's gradient by the first "
+                    "factor before the SUM and the sum by the second after (Note [divide before "
+                    "and after] in minifsdp/fsdp1/fully_sharded.py)")
+        nz = e != 0
+        if finite and nz.any():
+            ratio = (g[nz] / e[nz])
+            for k, what in ((n, "not divided by N at all"), (1 / n, "divided by N twice")):
+                if torch.allclose(ratio, torch.full_like(ratio, float(k)), rtol=1e-2):
+                    return (f"yours = expected x {k:.3g}: {what}; the two factors of Note "
+                            "[divide before and after] multiply to N, one before the SUM, one "
+                            "after")
+        from minifsdp.labs.report import _generic_hint
+
+        seen = _generic_hint(got, expected, n)
+        return (seen + " (Note [divide before and after])" if seen else
+                "rank r keeps elements [r*s, (r+1)*s) of the average of the padded flat "
+                "gradients, s = padded_numel / N, each rank's divided before the SUM and the "
+                "sum after (Note [divide before and after])")
+    return None
+
+
 LAB = Lab(
     id="04",
-    title="the FlatParameter: flatten, pad, shard, view, free",
+    title="the FlatParameter: flatten, pad, shard, gather, view, free, reduce-scatter",
     skeleton="labs/lab04_flat_param.py",
     seams=(Seam(LAYOUT, "minifsdp.fsdp1.flat_param", "flat_layout"),
            Seam(SHARD, "minifsdp.fsdp1.flat_param", "rank_shard"),
+           Seam(UNSHARD, "minifsdp.fsdp1.flat_param", "FlatParamHandle.unshard"),
            Seam(VIEWS, "minifsdp.fsdp1.flat_param", "FlatParamHandle.unflatten"),
-           Seam(RESHARD, "minifsdp.fsdp1.flat_param", "FlatParamHandle.reshard")),
-    notes=("flat layout", "alignment", "views, not copies", "freeing storage"),
+           Seam(RESHARD, "minifsdp.fsdp1.flat_param", "FlatParamHandle.reshard"),
+           Seam(REDUCE, "minifsdp.fsdp1.flat_param", "FlatParamHandle.reduce_grad")),
+    notes=("flat layout", "alignment", "views, not copies", "freeing storage",
+           "two tensors, one storage", "divide before and after", "final callback"),
     run=run_lab,
     hint=hint,
     oracle="torch FSDP1 (use_orig_params=True)",
@@ -293,19 +517,36 @@ LAB = Lab(
         "A unit's parameters live as one 1-D tensor: laid end to end with gaps so each starts "
         "16-byte aligned, then zero padding at the end so that N ranks get equal, contiguous "
         "parts. Compute uses views into the gathered flat tensor, never copies, and freeing "
-        "means shrinking the storage those views share. Read Note [flat layout], Note "
+        "means shrinking the storage those views share; gathering means filling that same "
+        "storage again, so the views autograd saved see the parameters once more. Backward "
+        "leaves one padded flat gradient per unit, and one reduce-scatter hands each rank the "
+        "average of its own part, divided as torch divides. Read Note [flat layout], Note "
         "[alignment], Note [views, not copies], Note [freeing storage] and Note [two tensors, "
-        "one storage] in minifsdp/fsdp1/flat_param.py.",
+        "one storage] in minifsdp/fsdp1/flat_param.py, then Note [divide before and after] "
+        "and Note [final callback] in minifsdp/fsdp1/fully_sharded.py.",
         "Layout: a running end position; before each parameter round it up to `align` (an "
         "element count); padded_numel rounds the final end up to a multiple of N. Shard: N "
-        "equal, contiguous parts, part r for the `rank` you are given. Views: parameter i is "
+        "equal, contiguous parts, part r for the `rank` you are given. Unshard: handle._buffer "
+        "keeps its shape and its storage while freed; give that storage back its bytes "
+        "(numel x element size), then let the all-gather write the group's shards straight "
+        "into _buffer, from handle.gather_input(); NO_SHARD only copies. Views: parameter i is "
         "the elements [offset_i, offset_i + numel_i) of flat in its shape; gaps and padding "
         "belong to no view. Reshard: handle._buffer's storage is the one the views share; "
-        "_owns_buffer and is_unsharded say whether there is anything to free.",
+        "_owns_buffer and is_unsharded say whether there is anything to free. Reduce: "
+        "divide[0] before a SUM reduce-scatter of the whole padded gradient into a new tensor "
+        "of shard_numel elements, divide[1] after it; the wait, the second division and the "
+        "free belong in finish().",
         "layout: end = 0; for each numel: end = round_up(end, align); record end; end += numel; "
         "return offsets, round_up(end, N). shard: s = len(full) / N; the slice [rank * s, "
-        "(rank + 1) * s). views: for each info: the slice at info.offset of info.numel "
-        "elements, viewed as info.shape (no detach, no copy). reshard: if it owns a buffer and "
-        "is unsharded: shrink the buffer's untyped storage to 0 bytes; is_unsharded = False.",
+        "(rank + 1) * s). unshard: if already unsharded, return; resize the buffer's untyped "
+        "storage to its full byte count; if sharded, all-gather-into-tensor(buffer, "
+        "gather_input(), the handle's group, tag) else buffer.copy_(flat_param); mark it "
+        "unsharded. views: for each info: the slice at info.offset of info.numel elements, "
+        "viewed as info.shape (no detach, no copy). reshard: if it owns a buffer and is "
+        "unsharded: shrink the buffer's untyped storage to 0 bytes; is_unsharded = False. "
+        "reduce_grad: grad /= before (if > 1); out = empty(shard_numel) and an async SUM "
+        "reduce-scatter(out, grad, group, tag) -- or an async all-reduce of grad itself when "
+        "not sharded (out = grad); def finish(): wait; free grad's storage if it is not out; "
+        "out /= after (if > 1); return out; return finish.",
     ),
 )

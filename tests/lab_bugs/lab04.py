@@ -1,5 +1,6 @@
 """Lab 04's planted bugs: FlatParameter mistakes a learner plausibly makes (Note [flat layout],
-Note [alignment], Note [views, not copies], Note [freeing storage]).
+Note [alignment], Note [views, not copies], Note [freeing storage], Note [two tensors, one
+storage]; Note [divide before and after] and Note [final callback] in fully_sharded.py).
 
 Each function replaces one seam (``@replaces``); tests/test_labs.py checks that the checker
 rejects it and points where the bug shows first.
@@ -7,6 +8,7 @@ rejects it and points where the bug shows first.
 
 import torch
 
+from minifsdp import comm
 from minifsdp.labs.seams import replaces
 
 
@@ -114,6 +116,168 @@ def views_of_the_detached_tensor(handle, flat):
     return [flat.detach()[i.offset:i.offset + i.numel].view(i.shape) for i in handle.infos]
 
 
+
+@replaces("flat_param.unshard")
+def gathers_into_a_new_tensor(handle, tag_=None):
+    """All-gathers into a freshly allocated tensor and points the handle at it: the modules'
+    new views are right, but the views made before the free -- those autograd saved for
+    backward -- still point at the old, empty storage (Note [freeing storage], Note [two
+    tensors, one storage])."""
+    if handle.is_unsharded:
+        return
+    full = torch.empty(handle.padded_numel, dtype=handle.compute_dtype, device=handle.device)
+    with torch.no_grad():
+        if handle.sharded:
+            comm.all_gather_into_tensor(full, handle.gather_input(), handle.process_group,
+                                        tag=tag_)
+        else:
+            full.copy_(handle.flat_param)
+    handle._buffer = full
+    handle.unsharded.data = full
+    handle.is_unsharded = True
+
+
+@replaces("flat_param.unshard")
+def gathers_over_the_default_group(handle, tag_=None):
+    """Leaves out ``group=``: right while the unit is sharded over every rank, a shard of the
+    wrong size for any other group (Note [flat layout])."""
+    if handle.is_unsharded:
+        return
+    buf = handle._buffer
+    buf.untyped_storage().resize_(buf.numel() * buf.element_size())
+    with torch.no_grad():
+        if handle.sharded:
+            comm.all_gather_into_tensor(buf, handle.gather_input(), tag=tag_)
+        else:
+            buf.copy_(handle.flat_param)
+    handle.is_unsharded = True
+
+
+@replaces("flat_param.unshard")
+def gathers_even_when_unsharded(handle, tag_=None):
+    """Forgets the early return: a unit that is already whole (the root between its forward and
+    its backward, a prefetched unit) is all-gathered again, one collective too many."""
+    buf = handle._buffer
+    buf.untyped_storage().resize_(buf.numel() * buf.element_size())
+    with torch.no_grad():
+        if handle.sharded:
+            comm.all_gather_into_tensor(buf, handle.gather_input(), handle.process_group,
+                                        tag=tag_)
+        else:
+            buf.copy_(handle.flat_param)
+    handle.is_unsharded = True
+
+
+@replaces("flat_param.unshard")
+def gathers_into_the_leaf(handle, tag_=None):
+    """All-gathers into ``handle.unsharded``, the leaf the views are made from, instead of
+    ``handle._buffer``: the same storage and the same values, but the write bumps the version
+    counter the leaf shares with every view autograd saved, and backward refuses them
+    (Note [two tensors, one storage])."""
+    if handle.is_unsharded:
+        return
+    buf = handle._buffer
+    buf.untyped_storage().resize_(buf.numel() * buf.element_size())
+    with torch.no_grad():
+        if handle.sharded:
+            comm.all_gather_into_tensor(handle.unsharded, handle.gather_input(),
+                                        handle.process_group, tag=tag_)
+        else:
+            buf.copy_(handle.flat_param)
+    handle.is_unsharded = True
+
+
+def _reduce(handle, grad, before, after, tag_, *, free=True, wait_now=False,
+            op="reduce_scatter"):
+    """The reference's shape with knobs for the bugs below."""
+    if before != 1:
+        grad.div_(before)
+    if op == "reduce_scatter" and handle.sharded:
+        out = grad.new_empty(handle.shard_numel)
+        work = comm.reduce_scatter_tensor(out, grad, group=handle.process_group,
+                                          async_op=not wait_now, tag=tag_)
+    else:
+        out = grad
+        work = comm.all_reduce(grad, group=handle.process_group, async_op=not wait_now,
+                               tag=tag_)
+        if handle.sharded:  # all-reduced, then sliced
+            s = handle.shard_numel
+            out = grad[handle.rank * s:(handle.rank + 1) * s]
+
+    def finish():
+        if work is not None:
+            work.wait()
+        if free and out.untyped_storage().data_ptr() != grad.untyped_storage().data_ptr():
+            grad.untyped_storage().resize_(0)
+        if after != 1:
+            out.div_(after)
+        return out
+    return finish
+
+
+@replaces("flat_param.reduce_scatter")
+def never_divides(handle, grad, divide, tag_=None):
+    """Reduce-scatters with SUM and stops there: each shard holds the sum over ranks, not the
+    average (Note [divide before and after])."""
+    return _reduce(handle, grad, 1.0, 1.0, tag_)
+
+
+@replaces("flat_param.reduce_scatter")
+def divides_by_n_twice(handle, grad, divide, tag_=None):
+    """Divides by N before the sum and by N again after it, reading "divide before and after"
+    as "divide by N before and after": the average over N ranks, divided by N once more."""
+    n = handle.world_size
+    return _reduce(handle, grad, float(n), float(n), tag_)
+
+
+@replaces("flat_param.reduce_scatter")
+def divides_only_after_the_sum(handle, grad, divide, tag_=None):
+    """Sums first and divides by N after (what ReduceOp.AVG does on gloo): the same bits in
+    fp32, but a low-precision sum overflows that torch's pre-division keeps in range
+    (Note [divide before and after])."""
+    return _reduce(handle, grad, 1.0, float(handle.world_size), tag_)
+
+
+@replaces("flat_param.reduce_scatter")
+def waits_inside_reduce_grad(handle, grad, divide, tag_=None):
+    """Issues a blocking reduce-scatter and returns a ``finish`` with nothing left to wait for:
+    right values, but nothing can overlap the collective where devices have streams
+    (Note [final callback])."""
+    return _reduce(handle, grad, *divide, tag_, wait_now=True)
+
+
+@replaces("flat_param.reduce_scatter")
+def keeps_the_flat_gradient(handle, grad, divide, tag_=None):
+    """Never frees the unsharded gradient's storage: on gloo it lives until gloo's thread lets
+    go of the work, a second unit's worth of gradient at the peak (Note [final callback])."""
+    return _reduce(handle, grad, *divide, tag_, free=False)
+
+
+@replaces("flat_param.reduce_scatter")
+def all_reduces_and_slices(handle, grad, divide, tag_=None):
+    """All-reduces the whole flat gradient, as DDP would, and keeps this rank's slice: the right
+    numbers for 2(N-1)/N of the bytes where a reduce-scatter sends (N-1)/N, and every rank
+    holds the whole sum for a while."""
+    return _reduce(handle, grad, *divide, tag_, op="all_reduce")
+
+
+@replaces("flat_param.reduce_scatter")
+def forgets_the_padding(handle, grad, divide, tag_=None):
+    """Reduce-scatters only the parameters' elements, up to the end of the last one, as if the
+    padding were not part of the flat gradient: N parts of that are not the N equal shards the
+    padding exists for (Note [flat layout])."""
+    before, after = divide
+    end = max(i.offset + i.numel for i in handle.infos)
+    grad = grad[:end].div_(before)
+    out = grad.new_empty(-(-end // handle.world_size))
+    work = comm.reduce_scatter_tensor(out, grad, group=handle.process_group, async_op=True,
+                                      tag=tag_)
+
+    def finish():
+        work.wait()
+        return out.div_(after)
+    return finish
+
 EXPECTED = {
     "no_padding_to_n": dict(status="diverged", world_sizes=(2,),
                             case="flatten, align, pad and shard each unit",
@@ -150,4 +314,43 @@ EXPECTED = {
         status="diverged", world_sizes=(2,),
         name="unit (root): 2.weight is made by autograd from the unsharded flat tensor",
         hint="Note [views, not copies]"),
+    "gathers_into_a_new_tensor": dict(
+        status="diverged", world_sizes=(2,),
+        case="unshard: the original names are views of the gathered flat tensor",
+        name="unit (root): 2.weight, through the view made before the free: storage bytes after "
+             "unshard", hint="Note [two tensors, one storage]"),
+    "gathers_into_the_leaf": dict(
+        status="diverged", world_sizes=(2,),
+        name="unit (root): version counter of handle.unsharded (and of the views autograd "
+             "saved) after unshard", hint="Note [two tensors, one storage]"),
+    "gathers_over_the_default_group": dict(status="crash", world_sizes=(2,),
+                                           where="lab04.py:150"),
+    "gathers_even_when_unsharded": dict(
+        status="diverged", world_sizes=(2,),
+        name="unit (root): collectives of two unshard() calls (op, tag, input shape, dtype, "
+             "group size)", hint="already unsharded"),
+    "never_divides": dict(status="diverged", world_sizes=(2,),
+                          name="reduce_grad, fp32: this rank's part of the average",
+                          hint="not divided by N at all"),
+    "divides_by_n_twice": dict(status="diverged", world_sizes=(3,),
+                               name="reduce_grad, fp32: this rank's part of the average",
+                               hint="divided by N twice"),
+    "divides_only_after_the_sum": dict(
+        status="diverged", world_sizes=(2,),
+        name="reduce_grad, fp16 near overflow: this rank's part of the average",
+        hint="overflowed"),
+    "waits_inside_reduce_grad": dict(
+        status="diverged", world_sizes=(2,),
+        name="reduce_grad, fp32: collectives issued before finish() (op, not yet waited for)",
+        hint="async_op=True"),
+    "keeps_the_flat_gradient": dict(
+        status="diverged", world_sizes=(2,),
+        name="reduce_grad, fp32: storage bytes behind the flat gradient after finish()",
+        hint="resize_(0)"),
+    "all_reduces_and_slices": dict(
+        status="diverged", world_sizes=(2,),
+        name="reduce_grad, fp32: collectives issued before finish() (op, not yet waited for)",
+        hint="a reduce-scatter of the whole padded"),
+    "forgets_the_padding": dict(status="crash", world_sizes=(2,),
+                                where="lab04.py:273"),
 }
