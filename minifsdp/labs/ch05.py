@@ -73,13 +73,15 @@ def check_fsdp2_group_wire_bytes(fn, measured: list[tuple] | None = None) -> boo
     return check("FSDP2 group bytes per step", [*cases, *(measured or [])], fn, close=close)
 
 
-# ---- lab 05: FSDP2's copy-out and copy-in ------------------------------------------------------
+# ---- lab 05: FSDP2's unshard and reshard, copy-out and copy-in ---------------------------------
 
 from minifsdp.labs.report import _generic_hint  # noqa: E402
 from minifsdp.labs.seams import Lab, Seam  # noqa: E402
 
 LAB_STEPS = 3
 COPY_OUT, COPY_IN = "fsdp2.all_gather_copy_out", "fsdp2.reduce_scatter_copy_in"
+UNSHARD, WAIT, RESHARD = "fsdp2.unshard", "fsdp2.wait_for_unshard", "fsdp2.reshard"
+ALL_SEAMS = (UNSHARD, WAIT, RESHARD, COPY_OUT, COPY_IN)
 
 
 def lab_net():
@@ -119,23 +121,26 @@ def _unsharded_bytes(p) -> int:
 
 
 def train_vs_torch(t, info, policy: dict | None = None, on_backward=None, *, micro: int = 1,
-                   memory: bool = False) -> dict:
+                   memory: bool = False, no_sync: bool = False) -> dict:
     """``LAB_STEPS`` Adam steps of ``lab_net`` with our ``fully_shard`` and torch's (same units,
     same ``MixedPrecisionPolicy(**policy)``), comparing per step: the unsharded weights each
     Linear sees in forward, the loss, ``on_backward(t, step, log, model)`` (our comm log and
     model), the gradients and the parameters (as full tensors). ``micro`` backwards (one
-    micro-batch each) accumulate before each step; with ``memory`` the unsharded parameters'
-    storage must be 0 bytes after forward (non-root groups) and after backward (all groups).
-    Returns our model."""
+    micro-batch each) accumulate before each step, all but the last without gradient sync
+    with ``no_sync``. With ``memory``: the unsharded parameters' storage must be 0 bytes after
+    forward (non-root groups) and after backward (all groups); so must every all-gather buffer
+    and slot the copy-ins made, and every reduced slot ``to_sharded_grads`` cast up (Note
+    [freeing with resize_]). Returns our model."""
     import torch.nn as nn
-    import torch.nn.functional as F
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy as TorchPolicy
     from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
-    from minifsdp import comm, fsdp2
+    from minifsdp import fsdp2
+    from minifsdp.fsdp2 import reduce
+    from minifsdp.fsdp2.fsdp_param_group import FSDPParamGroup
 
-    n, r = info.world_size, info.rank
+    n = info.world_size
     mesh = init_device_mesh(info.device.type, (n,))
     models, opts, seen = {}, {}, {}
     for impl, shard, cls in (("ours", fsdp2.fully_shard, fsdp2.MixedPrecisionPolicy),
@@ -154,15 +159,66 @@ def train_vs_torch(t, info, policy: dict | None = None, on_backward=None, *, mic
     groups = {name or "(root)": mod.fsdp_state.group
               for name, mod in models["ours"].named_modules() if hasattr(mod, "fsdp_state")}
 
+    gathered: list[torch.Tensor] = []  # every all-gather buffer and slot since the last check
+    now = {"step": 0}
+
+    def capture(copy_in):
+        def wrapped(self):
+            my_slot, buffer = copy_in(self)
+            gathered.extend((my_slot, buffer))
+            return my_slot, buffer
+        return wrapped
+
+    def freeing(to_shards):
+        def wrapped(group, params, out):
+            to_shards(group, params, out)
+            if out.dtype != group.dtypes.orig:
+                dt = str(out.dtype).removeprefix("torch.")
+                t.expect(f"group {group.name}: bytes behind the reduced {dt} slot after "
+                         "to_sharded_grads", out.untyped_storage().nbytes(), 0,
+                         step=now["step"], phase="backward")
+        return wrapped
+
     def storage_freed(when: str, step: int, phase: str, which) -> None:
         for gname in which:
             got = sum(_unsharded_bytes(p) for p in groups[gname].fsdp_params)
             t.expect(f"group {gname}: unsharded parameter bytes {when}", got, 0, step=step,
                      phase=phase)
+        t.expect(f"all-gather buffers and slots: bytes {when}",
+                 sum(x.untyped_storage().nbytes() for x in gathered), 0, step=step, phase=phase)
+        gathered.clear()
 
+    spied = [(FSDPParamGroup, name, capture) for name in ("_all_gather_copy_in",
+                                                          "_post_forward_copy_in")]
+    spied.append((reduce, "to_sharded_grads", freeing))
+    saved = [(owner, name, getattr(owner, name)) for owner, name, _ in spied]
+    if memory:
+        for owner, name, spy in spied:
+            setattr(owner, name, spy(getattr(owner, name)))
+    try:
+        _steps(t, info, models, opts, seen, groups, on_backward, micro, memory, no_sync,
+               storage_freed, now)
+    finally:
+        for owner, name, fn in saved:
+            setattr(owner, name, fn)
+    return models["ours"]
+
+
+def _steps(t, info, models, opts, seen, groups, on_backward, micro, memory, no_sync,
+           storage_freed, now) -> None:
+    """``train_vs_torch``'s loop: ``LAB_STEPS`` steps of ``micro`` micro-batches each."""
+    import torch.nn.functional as F
+
+    from minifsdp import comm
+
+    n, r = info.world_size, info.rank
     for step in range(LAB_STEPS):
+        now["step"] = step
         with comm.logging_comm() as log:
             for k in range(micro):
+                if no_sync:
+                    for m in models.values():
+                        m.set_requires_gradient_sync(k == micro - 1)
                 g = torch.Generator().manual_seed(100 + micro * step + k)
                 x, y = torch.randn(n * 4, 8, generator=g), torch.randint(0, 3, (n * 4,),
                                                                          generator=g)
@@ -194,7 +250,6 @@ def train_vs_torch(t, info, policy: dict | None = None, on_backward=None, *, mic
         for name, p in theirs.items():
             t.expect(name, ours[name].detach().full_tensor(), p.detach().full_tensor(),
                      step=step, phase="optimizer step")
-    return models["ours"]
 
 
 def _gathered(world: int, slot: int, dtype: torch.dtype) -> torch.Tensor:
@@ -236,6 +291,158 @@ def _copy_out_cases(t, group, names, n: int, dtype: torch.dtype) -> None:
             p.free_unsharded()
 
 
+def _held_bytes(tensors) -> int:
+    return sum(x.untyped_storage().nbytes() for x in tensors)
+
+
+def _unshard_reshard_cases(t, group, key: str, names, full: dict, one_rank) -> None:
+    """The reader's unshard, wait_for_unshard and reshard on one group, called as the hooks
+    and prefetching call them: blocking; again while unsharded; issued, then waited; dropped
+    in flight by a reshard; and (``one_rank``: a process group of this rank alone) from the
+    piece a ``reshard_after_forward=k`` group keeps after forward, with k = 1. The expected
+    values are the parameters of a fresh ``layout_net`` (``full``); the expected collectives,
+    states, owners and bytes come from the contract, never from the run. Every gathered
+    buffer the copy-in makes is held here, so a buffer left allocated shows whoever else
+    holds it."""
+    from minifsdp import comm
+    from minifsdp.fsdp2.fsdp_param_group import FSDPParamGroup, ShardedState
+    from minifsdp.fsdp2.hsdp import PostForwardInfo
+
+    params = group.fsdp_params
+    elt = torch.empty(0, dtype=params[0].unsharded_dtype).element_size()
+    slot_bytes = elt * sum(p.padded_shard_numel for p in params)
+    gather_tag = f"fsdp2 params {group.name}"
+    buffers: list[torch.Tensor] = []  # every all-gather buffer of this case
+
+    def capture(copy_in):
+        def wrapped(self):
+            my_slot, gathered = copy_in(self)
+            buffers.append(gathered)
+            return my_slot, gathered
+        return wrapped
+
+    def expect_gathers(what: str, log, want: list) -> None:
+        got = [(r.op, r.tag, r.group_size, r.bytes) for r in log.comms()]
+        t.expect(f"{key}: the collectives of {what} (op, tag, ranks, input bytes)", got, want,
+                 phase="unshard")
+
+    def expect_state(what: str, state, in_flight: bool) -> None:
+        phase = "reshard" if "reshard" in what else "unshard"
+        t.expect(f"{key}: sharded_state after {what}", group.sharded_state.name, state.name,
+                 phase=phase)
+        t.expect(f"{key}: an all-gather in flight after {what}", group._in_flight is not None,
+                 in_flight, phase=phase)
+
+    def expect_owners(what: str, unsharded: bool, held=None) -> None:
+        phase = "reshard" if "reshard" in what else "unshard"
+        for i, p in enumerate(params):
+            name = names[id(p.sharded_param)]
+            want = p.unsharded_param if unsharded else p.sharded_param
+            which = "unsharded parameter" if unsharded else "sharded DTensor"
+            holds = all(getattr(m, attr) is want for m, attr in p.owners)
+            t.expect(f"{name}: its module holds the {which} after {what}", holds, True,
+                     phase=phase)
+            if held is not None:
+                t.expect(f"{name}: the same unsharded tensor object after {what} (autograd "
+                         "saved it)", p.unsharded_param is held[i], True, phase=phase)
+            if unsharded:
+                t.expect(f"{name}, unsharded after {what}", p.unsharded_param.detach(),
+                         full[name], phase=phase)
+
+    def expect_freed(what: str, tensors, thing: str) -> None:
+        t.expect(f"{key}: bytes behind {thing} after {what}", _held_bytes(tensors), 0,
+                 phase="reshard" if "reshard" in what else "unshard")
+
+    one_gather = [("all_gather", gather_tag, group.world_size, slot_bytes)]
+    originals = {name: getattr(FSDPParamGroup, name)
+                 for name in ("_all_gather_copy_in", "_post_forward_copy_in")}
+    for name, copy_in in originals.items():
+        setattr(FSDPParamGroup, name, capture(copy_in))
+    try:
+        with comm.logging_comm() as log:
+            group.unshard()
+        what = "unshard()"
+        expect_gathers(what, log, one_gather)
+        expect_state(what, ShardedState.UNSHARDED, False)
+        expect_owners(what, True)
+        expect_freed(what, buffers, "the all-gather buffer")
+        held = [p.unsharded_param for p in params]
+        unsharded_bytes = sum(elt * group.world_size * p.padded_shard_numel for p in params)
+        t.expect(f"{key}: bytes behind the unsharded parameters after {what}",
+                 _held_bytes(held), unsharded_bytes, phase="unshard")
+        with comm.logging_comm() as log:
+            group.unshard()
+        expect_gathers("unshard() while unsharded", log, [])
+        group.reshard()
+        what = "reshard()"
+        expect_state(what, ShardedState.SHARDED, False)
+        expect_owners(what, False, held)
+        expect_freed(what, held, "the unsharded parameters")
+        group.reshard()
+        expect_state("reshard() while sharded", ShardedState.SHARDED, False)
+
+        with comm.logging_comm() as log:
+            group.unshard(async_op=True)
+            group.unshard(async_op=True)
+        what = "unshard(async_op=True), twice"
+        expect_gathers(what, log, one_gather)
+        expect_state(what, ShardedState.SHARDED, True)
+        expect_owners(what, False)
+        group.wait_for_unshard()
+        what = "unshard(async_op=True), then wait_for_unshard()"
+        expect_state(what, ShardedState.UNSHARDED, False)
+        expect_owners(what, True, held)
+        expect_freed(what, buffers, "the all-gather buffers")
+        group.wait_for_unshard()
+        expect_state("wait_for_unshard() with nothing in flight", ShardedState.UNSHARDED, False)
+        group.reshard()
+        expect_freed("reshard()", held, "the unsharded parameters")
+
+        group.unshard(async_op=True)
+        group.reshard()
+        what = "unshard(async_op=True), then reshard() (the all-gather dropped)"
+        expect_state(what, ShardedState.SHARDED, False)
+        expect_owners(what, False, held)
+        expect_freed(what, buffers, "the all-gather buffers")
+        expect_freed(what, held, "the unsharded parameters")
+
+        if one_rank is None or not _all_ranks_matched(t):  # a wrong state crashes the rest
+            return
+        # reshard_after_forward=k with k = 1: the piece is the whole padded buffer, gathered
+        # over a group of this rank alone (Note [reshard to k ranks])
+        group.post_forward_ranks = PostForwardInfo(one_rank, 0, 1)
+        for reshard_after in (False, True):
+            group.unshard()
+            group._reshard_post_forward()  # given: keep the piece, register the shards
+            piece = group._post_forward_data
+            if reshard_after:
+                group.reshard()
+                what = "reshard() from SHARDED_POST_FORWARD"
+                t.expect(f"{key}: the piece kept for k ranks is dropped by {what}",
+                         group._post_forward_data is None, True, phase="reshard")
+                expect_state(what, ShardedState.SHARDED, False)
+                expect_owners(what, False, held)
+                expect_freed(what, held, "the unsharded parameters")
+                continue
+            with comm.logging_comm() as log:
+                group.unshard()
+            what = "unshard() from SHARDED_POST_FORWARD (k = 1)"
+            expect_gathers(what, log, [("all_gather", gather_tag, 1, unsharded_bytes)])
+            expect_state(what, ShardedState.UNSHARDED, False)
+            expect_owners(what, True, held)
+            t.expect(f"{key}: the piece kept for k ranks is dropped by {what}",
+                     group._post_forward_data is None and piece is not None, True,
+                     phase="unshard")
+            expect_freed(what, buffers, "the all-gather buffers")
+            group.reshard()
+    finally:
+        for name, copy_in in originals.items():
+            setattr(FSDPParamGroup, name, copy_in)
+        group.post_forward_ranks = None
+        if group._in_flight is None and group.sharded_state is not ShardedState.SHARDED:
+            group.reshard()
+
+
 def _all_ranks_matched(t) -> bool:
     """Whether no rank has diverged yet; every rank gets the same answer, so all stop or all
     go on together (a later case's crash would otherwise hide the first divergence)."""
@@ -246,10 +453,15 @@ def _all_ranks_matched(t) -> bool:
     return flag.item() == 0
 
 
+UNSHARD_CASE = ("unshard and reshard of one group (blocking, issued then waited, dropped in "
+                "flight, from a piece kept for k ranks)")
+
+
 def run_lab(t, info) -> None:
-    """Lab 05's cases, on every rank: one group's copy-out (N slots and 1, fp32 and bf16) and
-    copy-in (fp32, a bf16 reduce dtype, a shard group of one rank) against the Note's layout and
-    the package's reference, then three training steps of two micro-batches each against
+    """Lab 05's cases, on every rank: one group's copy-out (N slots and 1, fp32 and bf16), its
+    unshard and reshard (``_unshard_reshard_cases``) and its copy-in (fp32, a bf16 reduce
+    dtype, a shard group of one rank) against the Note's layout and the package's reference,
+    then three training steps of two micro-batches each against
     torch's ``fully_shard``."""
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -265,11 +477,23 @@ def run_lab(t, info) -> None:
                           ("shard group of 1 rank", torch.float32, hsdp)):
         nets[key] = layout_net(dtype)
         fsdp2.fully_shard(nets[key], mesh=m)
+    nets["fp32"][1].bias.requires_grad_(False)  # a frozen parameter is unsharded all the same
     names = {id(p): name for net in nets.values() for name, p in net.named_parameters()}
     with t.case("copy-out of one group (7 and 10 rows; N slots and 1; fp32 and bf16)",
                 (COPY_OUT,)):
         for key, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
             _copy_out_cases(t, nets[key].fsdp_state.group, names, n, dtype)
+    with t.case(UNSHARD_CASE, (UNSHARD, WAIT, RESHARD, COPY_OUT)):
+        full = {key: dict(layout_net(dtype).named_parameters())
+                for key, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16),
+                                   ("shard group of 1 rank", torch.float32))}
+        for key in nets:
+            if not _all_ranks_matched(t):
+                break
+            _unshard_reshard_cases(
+                t, nets[key].fsdp_state.group, key, names,
+                {k: v.detach() for k, v in full[key].items()},
+                hsdp.get_group(1) if key != "shard group of 1 rank" else None)
     with t.case("copy-in of one group (7 and 10 rows; fp32, a bf16 reduce dtype, a shard "
                 "group of 1 rank)", (COPY_IN,)):
         for key, dtype in (("fp32", torch.float32), ("fp32", torch.bfloat16),
@@ -287,11 +511,44 @@ def run_lab(t, info) -> None:
     if not _all_ranks_matched(t):  # training on a wrong layout would crash, hiding the cause
         return
     with t.case("3 Adam steps of 2 micro-batches against torch's fully_shard (3 groups, "
-                "uneven rows)", (COPY_OUT, COPY_IN)):
+                "uneven rows)", ALL_SEAMS):
         train_vs_torch(t, info, micro=2, memory=True)
 
 
 def hint(name: str, got, expected, n: int) -> str | None:
+    if "(op, tag, ranks, input bytes)" in name:
+        return ("unshard issues one all-gather per call that finds the group neither unsharded "
+                "nor in flight, none otherwise; from SHARDED_POST_FORWARD it gathers the kept "
+                "piece over the k ranks of group.post_forward_ranks, not the shards over all N "
+                "(Note [issue and wait] in prefetch.py, Note [reshard to k ranks] in hsdp.py)")
+    if "sharded_state after" in name and expected == "UNSHARDED":
+        return ("wait_for_unshard finishes an unshard: once the modules hold the gathered "
+                "parameters the group is UNSHARDED, and nothing is in flight any more (Note "
+                "[issue and wait])")
+    if "sharded_state after" in name or "in flight after" in name:
+        return ("unshard(async_op=True) only issues: the group stays SHARDED, its all-gather in "
+                "group._in_flight, until wait_for_unshard finishes it; reshard leaves SHARDED "
+                "with nothing in flight, whatever it found: an all-gather in flight is waited "
+                "for and dropped (Note [issue and wait])")
+    if "its module holds" in name or "same unsharded tensor object" in name:
+        return ("register on every (module, name) in p.owners; the unsharded parameter is one "
+                "tensor object for the group's whole life, given its bytes back by "
+                "alloc_unsharded and freed by resize_(0), never replaced: autograd saved it in "
+                "forward (Note [freeing with resize_])")
+    if name.endswith("after unshard()") and "unsharded parameters" in name:
+        return ("the unsharded buffers hold N padded shards each (Note [padding])")
+    if name.startswith("all-gather buffers and slots"):
+        return ("an unshard is finished only once its all-gather buffer is freed with "
+                "resize_(0), the slot with it (a view of it): dropping references leaves the "
+                "bytes to gloo's thread (Note [freeing with resize_])")
+    if "bytes behind" in name:
+        return ("free storage, not references: untyped_storage().resize_(0) frees the bytes "
+                "under every view of them, including the tensors autograd saved and the one "
+                "gloo may still hold (Note [freeing with resize_])")
+    if "piece kept for k ranks" in name:
+        return ("the piece kept after forward (group._post_forward_data) is needed only by the "
+                "next unshard: drop it once it is gathered, or when a reshard comes first (Note "
+                "[reshard to k ranks])")
     if "version counter" in name:
         return ("the copy-out wrote into tensors autograd saved in forward and let their version "
                 "counter move: backward would refuse them (Note [version counter])")
@@ -302,6 +559,9 @@ def hint(name: str, got, expected, n: int) -> str | None:
     if not isinstance(got, torch.Tensor) or got.shape != expected.shape:
         return None
     if ", unsharded" in name:
+        if name.endswith(")") and "after" in name:
+            return ("the module computes with what the copy-out wrote: gather, wait, copy out, "
+                    "then register (Note [issue and wait], Note [copy-in and copy-out])")
         if got.dtype.is_floating_point and torch.isnan(got.double()).any():
             return ("yours still holds the NaN the checker put there: the copy-out never wrote "
                     "these elements into the unsharded buffer (Note [copy-in and copy-out])")
@@ -322,37 +582,64 @@ def hint(name: str, got, expected, n: int) -> str | None:
 
 LAB = Lab(
     id="05",
-    title="FSDP2's copy-out and copy-in",
+    title="FSDP2's unshard and reshard, copy-out and copy-in",
     skeleton="labs/lab05_fsdp2.py",
-    seams=(Seam(COPY_OUT, "minifsdp.fsdp2.fsdp_param_group",
+    seams=(Seam(UNSHARD, "minifsdp.fsdp2.fsdp_param_group", "FSDPParamGroup.unshard",
+                "unshard"),
+           Seam(WAIT, "minifsdp.fsdp2.fsdp_param_group", "FSDPParamGroup.wait_for_unshard",
+                "wait_for_unshard"),
+           Seam(RESHARD, "minifsdp.fsdp2.fsdp_param_group", "FSDPParamGroup.reshard",
+                "reshard"),
+           Seam(COPY_OUT, "minifsdp.fsdp2.fsdp_param_group",
                 "FSDPParamGroup._all_gather_copy_out", "all_gather_copy_out"),
            Seam(COPY_IN, "minifsdp.fsdp2.reduce", "reduce_scatter_copy_in",
                 "reduce_scatter_copy_in")),
     notes=("copy-in and copy-out", "padding", "dim-0 chunks", "version counter",
-           "freeing with resize_"),
+           "freeing with resize_", "issue and wait", "reshard to k ranks"),
     run=run_lab,
     hint=hint,
     oracle="torch's fully_shard (and the package's layouts)",
     hints=(
-        "Both functions only move bytes between two layouts of the same numbers. The all-gather "
-        "concatenates the ranks' slots, so its buffer is rank-major; each parameter's unsharded "
-        "buffer is piece-major (its N padded pieces, in rank order). The copy-in is the same "
-        "move backwards, with zero padding. Read Note [copy-in and copy-out], Note [padding] "
-        "and Note [dim-0 chunks] (fsdp_param.py), then Note [freeing with resize_] and Note "
-        "[version counter] (fsdp_param_group.py).",
-        "Copy-out: gathered viewed as (world, S) -- world rows, S the slot; parameter i owns "
-        "the same column block [o_i, o_i + w_i) of every row, w_i = p.padded_shard_numel * "
-        "N / world, and p.alloc_unsharded() viewed as (world, w_i) receives exactly that block. "
-        "Invariants: written in place into alloc_unsharded()'s storage (the same every step), "
-        "the version counter unchanged, nothing kept of gathered. Copy-in: a fresh 1-D "
-        "(N * S,) tensor in `dtype`, N = group.world_size (the shard group, not the world); "
-        "slot r = for each parameter, chunk r of its gradient (torch.chunk on dim 0, possibly "
-        "short or empty), flattened, then zeros up to p.padded_shard_numel.",
-        "Copy-out: bufs = [alloc_unsharded(p) as (world, -1) for p]; under "
-        "preserve-version-counter(bufs): split gathered as (world, -1) along dim 1 by the "
-        "bufs' widths, copy block i into bufs[i]. Copy-in: flat = new zeros (N * S,) in dtype; "
-        "for r in 0..N-1: offset = 0; for p, g: c = chunk_dim0(g, N)[r] flattened; "
-        "slot r[offset : offset + len(c)] = c; offset += p.padded_shard_numel; return flat. "
-        "(One torch call can do each loop: see the torch ops the Note names.)",
+        "A group lives in two states. Unsharded: one all-gather of every parameter's padded "
+        "shard, in one buffer, then each parameter's N pieces copied out of that rank-major "
+        "buffer into its own piece-major buffer, and the modules switched to those full "
+        "tensors. Sharded again: the modules switched back to the DTensors and the full "
+        "tensors' bytes given back -- the bytes, not the tensors, which autograd holds. "
+        "Issuing and finishing an all-gather are two calls, so that a prefetch can put one on "
+        "the wire early. The copy-in of the gradients is the copy-out backwards, with zero "
+        "padding. Read Note [copy-in and copy-out], Note [freeing with resize_], Note [issue "
+        "and wait] (prefetch.py), Note [reshard to k ranks] (hsdp.py), then Note [padding], "
+        "Note [dim-0 chunks] (fsdp_param.py) and Note [version counter].",
+        "unshard: nothing to do while group.sharded_state is UNSHARDED or group._in_flight is "
+        "set; else pick the copy-in and the process group by the state (the kept piece over "
+        "post_forward_ranks' k ranks in SHARDED_POST_FORWARD, else the shards over all N), "
+        "issue one tagged all-gather with async_op as given, remember (work, gathered, world) "
+        "in _in_flight, and finish at once unless async_op. wait_for_unshard: nothing in "
+        "flight, nothing to do; else wait on the work if there is one, copy out with the world "
+        "it was gathered over, resize the buffer's storage to 0, forget the kept piece, put "
+        "p.unsharded_param on every owner, set UNSHARDED, clear _in_flight. reshard: drop "
+        "what is in flight and the kept piece; if UNSHARDED, put p.sharded_param on every "
+        "owner and resize each p._unsharded_data's storage to 0; set SHARDED. Copy-out: "
+        "gathered viewed as (world, S); parameter i owns the same column block of every row, "
+        "w_i = p.padded_shard_numel * N / world wide, and p.alloc_unsharded() viewed as "
+        "(world, w_i) receives exactly that block, in place, the version counter unchanged. "
+        "Copy-in: a fresh 1-D (N * S,) tensor in `dtype`, N = group.world_size; slot r = for "
+        "each parameter, chunk r of its gradient (torch.chunk on dim 0, maybe short or "
+        "empty), flattened, then zeros up to p.padded_shard_numel.",
+        "unshard: if UNSHARDED or in flight: return. if SHARDED_POST_FORWARD: (slot, buf) = "
+        "post-forward copy-in; pg, world = post_forward_ranks' group and size; else: (slot, "
+        "buf) = _all_gather_copy_in(); pg, world = process_group, world_size. work = "
+        "all_gather_into_tensor(buf, slot, pg, async_op, tag); _in_flight = (work, buf, "
+        "world); if not async_op: wait_for_unshard(). wait: if nothing in flight: return; "
+        "(work, buf, world) = _in_flight; work.wait() if work; copy-out(buf, world); free "
+        "buf's storage; piece = None; for p, for (m, name) in p.owners: setattr(m, name, "
+        "p.unsharded_param); state, _in_flight = UNSHARDED, None. reshard: discard_unshard(); "
+        "piece = None; if UNSHARDED: setattr the sharded_param on every owner, free each "
+        "_unsharded_data's storage; state = SHARDED. Copy-out: bufs = [alloc_unsharded(p) as "
+        "(world, -1)]; under preserve-version-counter(bufs): split gathered as (world, -1) "
+        "along dim 1 by the bufs' widths, copy block i into bufs[i]. Copy-in: flat = zeros "
+        "(N * S,) in dtype; for r: offset = 0; for p, g: c = chunk_dim0(g, N)[r] flattened; "
+        "slot r[offset : offset + len(c)] = c; offset += p.padded_shard_numel. (One torch call "
+        "can do each copy's loops: see the torch ops the Note names.)",
     ),
 )

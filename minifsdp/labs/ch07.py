@@ -68,9 +68,15 @@ COPY_IN, REDUCE_DTYPE, TO_SHARDS = ("fsdp2.all_gather_copy_in", "fsdp2.reduce_dt
                                     "fsdp2.grads_to_shards")
 BF16_FP32 = {"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32}
 BF16 = {"param_dtype": torch.bfloat16}  # reduce_dtype None: reduce in bf16
+REDUCE_CASE = ("the reduce dtype and the sharded gradients of one group (bf16 gradients, fp32 "
+               "accumulators beside bf16 ones, a bf16 slot added twice)")
+BF16_CASE = ("3 Adam steps against torch's fully_shard, param_dtype=bf16, reduce in bf16, "
+             "2 backwards per step")
+NO_SYNC_CASE = ("3 Adam steps against torch's fully_shard, param_dtype=bf16, reduce_dtype=fp32, "
+                "2 backwards per step, the first without gradient sync")
 
 
-def _check_comm(policy: dict, n: int, micro: int = 1):
+def _check_comm(policy: dict, n: int, micro: int = 1, synced: int | None = None):
     """``on_backward`` for ``train_vs_torch``: the collectives of our step, as a sorted list
     of (tag, dtype, input bytes), against the list the model's structure implies -- never
     against the run's own log. Per backward of ``lab_net``'s three groups (torch's
@@ -78,7 +84,9 @@ def _check_comm(policy: dict, n: int, micro: int = 1):
     in backward (``reshard_after_forward=True``; the root stays unsharded until its backward,
     as torch's ``FSDPState._lazy_init`` leaves it), each group reduce-scattered once. The
     all-gather's input is my padded slot in ``param_dtype``; the reduce-scatter's all N slots
-    in the reduce dtype. A missing, extra or wrongly typed collective shows here."""
+    in the reduce dtype; ``synced`` of the ``micro`` backwards reduce-scatter (all by
+    default; the others run without gradient sync). A missing, extra or wrongly typed
+    collective shows here."""
     def check(t, step, log, model) -> None:
         from minifsdp.fsdp2 import FSDPModule
 
@@ -92,26 +100,103 @@ def _check_comm(policy: dict, n: int, micro: int = 1):
             want = []
             for name, group in groups.items():
                 slot = sum(p.padded_shard_numel for p in group.fsdp_params)
-                times = 1 if op == "reduce_scatter" or name == root else 2
+                if op == "reduce_scatter":
+                    times = micro if synced is None else synced
+                else:
+                    times = (1 if name == root else 2) * micro
                 want += [(f"fsdp2 {word} {name}", str(dtype).removeprefix("torch."),
-                          per * slot * size)] * (times * micro)
+                          per * slot * size)] * times
             got = sorted((r.tag, r.dtype, r.bytes) for r in log.comms(op))
             t.expect(f"{op.replace('_', '-')}s of the step (tag, dtype, input bytes)", got,
                      sorted(want), step=step, phase="backward")
     return check
 
 
+def _reduce_cases(t, info) -> None:
+    """The reader's ``reduce_scatter_dtype`` and ``to_sharded_grads`` on one group, called
+    directly with inputs made here: gradients of one dtype (left as they are), fp32
+    accumulators beside fresh bf16 gradients (after backwards without sync: all in the reduce
+    dtype, values unchanged, Note [accumulating in the reduce dtype]), and a reduced bf16 slot
+    turned into fp32 ``.grad`` twice (assigned, then added in fp32), its storage freed. The
+    expected values are casts of the inputs, made here."""
+    import torch.nn as nn
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from minifsdp import fsdp2
+    from minifsdp.fsdp2 import reduce
+
+    mesh = init_device_mesh(info.device.type, (info.world_size,))
+    g = torch.Generator().manual_seed(11 + info.rank)
+    for label, policy in (("bf16 reduce", BF16), ("bf16 params, fp32 reduce", BF16_FP32)):
+        torch.manual_seed(3)
+        net = nn.Sequential(nn.Linear(4, 7), nn.Linear(7, 2))
+        fsdp2.fully_shard(net, mesh=mesh, mp_policy=fsdp2.MixedPrecisionPolicy(**policy))
+        group = net.fsdp_state.group
+        params = group.fsdp_params
+        names = {id(p): name for name, p in net.named_parameters()}
+        reduce_dtype = policy.get("reduce_dtype") or policy["param_dtype"]
+        fresh = [torch.randn(p.orig_size, generator=g).to(torch.bfloat16) for p in params]
+        grads = list(fresh)
+        dtype = reduce.reduce_scatter_dtype(group, grads)
+        what = f"{label}, bf16 gradients"
+        t.expect(f"reduce dtype ({what})", dtype, reduce_dtype, phase="backward")
+        t.expect(f"the gradients left as they are ({what}: the copy-in casts them)",
+                 [x is y for x, y in zip(grads, fresh)], [True] * len(fresh), phase="backward")
+        if policy.get("reduce_dtype") is not None:
+            # after a backward without sync: fp32 accumulators of some parameters beside
+            # this backward's bf16 gradients of the others
+            mixed = [x if i % 2 == 0 else torch.randn(p.orig_size, generator=g)
+                     for i, (x, p) in enumerate(zip(fresh, params))]
+            want = [x.to(reduce_dtype) for x in mixed]
+            grads = list(mixed)
+            same_list = grads
+            dtype = reduce.reduce_scatter_dtype(group, grads)
+            what = f"{label}, fp32 accumulators beside bf16 gradients"
+            t.expect(f"reduce dtype ({what})", dtype, reduce_dtype, phase="backward")
+            t.expect(f"the same list object ({what})", grads is same_list, True,
+                     phase="backward")
+            for i, (got, w) in enumerate(zip(grads, want)):
+                t.expect(f"gradient {i} ({what})", got, w, phase="backward")
+        # the reduced slot: this rank's rows of every parameter, padding after each
+        slot = sum(p.padded_shard_numel for p in params)
+        total = {id(p): None for p in params}
+        for k in range(2):  # the second adds into the first (2 backwards before a step)
+            out = torch.randn(slot, generator=g).to(reduce_dtype)
+            rows, offset = [], 0
+            for p in params:
+                rows.append(out[offset: offset + p.sharded_numel].view(p.sharded_size)
+                            .to(torch.float32, copy=True))  # .grad may view out itself
+                offset += p.padded_shard_numel
+            reduce.to_sharded_grads(group, params, out)
+            what = f"{label}, backward {k + 1} of 2"
+            for p, r in zip(params, rows):
+                want = r if total[id(p)] is None else total[id(p)] + r
+                total[id(p)] = want
+                grad = p.sharded_param.grad
+                got = None if grad is None else grad.to_local().detach()
+                t.expect(f"{names[id(p.sharded_param)]}.grad, the local rows ({what})", got, want,
+                         phase="backward")
+            if out.dtype != torch.float32:
+                t.expect(f"bytes behind the {str(out.dtype).removeprefix('torch.')} slot after "
+                         f"to_sharded_grads ({what})", out.untyped_storage().nbytes(), 0,
+                         phase="backward")
+
+
 def run_lab(t, info) -> None:
     """Lab 07's cases, on every rank: one group's copy-in (bytes on the wire, the buffer)
-    against the package's, then three training steps against torch's ``fully_shard`` with
+    against the package's; the reduce dtype and the sharded gradients called directly
+    (``_reduce_cases``); then three training steps against torch's ``fully_shard`` with
     ``param_dtype=bf16`` and ``reduce_dtype`` fp32, then bf16 with two backwards per step (the
-    second reduce-scatter's gradient is added into the first's ``.grad``)."""
+    second reduce-scatter's gradient is added into the first's ``.grad``), then fp32 reduce
+    with two backwards per step, the first without sync (fp32 accumulators, Note
+    [accumulating in the reduce dtype]); all three with the buffers' bytes checked
+    (``train_vs_torch(memory=True)``)."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
     from minifsdp import comm, fsdp2
     from minifsdp.labs import seams
-    from minifsdp.labs.ch05 import lab_net, train_vs_torch
+    from minifsdp.labs.ch05 import _all_ranks_matched, lab_net, train_vs_torch
 
     n = info.world_size
     with t.case("the all-gather copy-in of each group, bf16 params", (COPY_IN,)):
@@ -136,15 +221,45 @@ def run_lab(t, info) -> None:
     dist.all_reduce(diverged)
     if diverged.item():
         return
+    with t.case(REDUCE_CASE, (REDUCE_DTYPE, TO_SHARDS)):
+        _reduce_cases(t, info)
+    if not _all_ranks_matched(t):
+        return
     with t.case("3 Adam steps against torch's fully_shard, param_dtype=bf16, reduce_dtype=fp32",
                 (COPY_IN, REDUCE_DTYPE, TO_SHARDS)):
-        train_vs_torch(t, info, BF16_FP32, _check_comm(BF16_FP32, n))
-    with t.case("3 Adam steps against torch's fully_shard, param_dtype=bf16, reduce in bf16, "
-                "2 backwards per step", (COPY_IN, REDUCE_DTYPE, TO_SHARDS)):
-        train_vs_torch(t, info, BF16, _check_comm(BF16, n, micro=2), micro=2)
+        train_vs_torch(t, info, BF16_FP32, _check_comm(BF16_FP32, n), memory=True)
+    with t.case(BF16_CASE, (COPY_IN, REDUCE_DTYPE, TO_SHARDS)):
+        train_vs_torch(t, info, BF16, _check_comm(BF16, n, micro=2), micro=2, memory=True)
+    with t.case(NO_SYNC_CASE, (COPY_IN, REDUCE_DTYPE, TO_SHARDS)):
+        train_vs_torch(t, info, BF16_FP32, _check_comm(BF16_FP32, n, micro=2, synced=1),
+                       micro=2, memory=True, no_sync=True)
 
 
 def hint(name: str, got, expected, n: int) -> str | None:
+    if name.startswith("reduce dtype ("):
+        return ("the reduce dtype is the group's, group.dtypes.reduce (the policy's "
+                "reduce_dtype, else its param_dtype), else the gradients' own (Note [mixed "
+                "precision])")
+    if name.startswith("the gradients left as they are"):
+        return ("gradients of one dtype go to the copy-in as they are (it casts as it lays them "
+                "out); copies made here would be a second set of unsharded gradients alive at "
+                "once (Note [mixed precision])")
+    if "accumulators beside" in name:
+        return ("fp32 accumulators hold the sums of backwards without sync: bring every "
+                "gradient to the reduce dtype, never the accumulators down to bf16 (Note "
+                "[accumulating in the reduce dtype])")
+    if ".grad, the local rows" in name:
+        return ("each backward's rows are cast up to the shards' dtype, then set as .grad or "
+                "added to the fp32 .grad in fp32: no sum is rounded to the reduce dtype (Note "
+                "[accumulating in the reduce dtype])")
+    if "slot after to_sharded_grads" in name:
+        return ("once the rows are cast up, resize the low-precision slot's storage to 0 "
+                "before returning: gloo may still hold a reference (Note [freeing with "
+                "resize_])")
+    if name.startswith("all-gather buffers and slots"):
+        return ("my_slot must be a view of gathered, which the caller frees after the copy-out; "
+                "a slot of its own is a second buffer that outlives the all-gather (Note "
+                "[copy-in and copy-out])")
     if name.endswith("wire bytes") and isinstance(got, int) and expected:
         return (f"yours moved {got / expected:.3g}× the bytes: cast the shards to param_dtype "
                 "in the copy-in, before the all-gather (Note [mixed precision])")
@@ -165,7 +280,8 @@ LAB = Lab(
            Seam(REDUCE_DTYPE, "minifsdp.fsdp2.reduce", "reduce_scatter_dtype",
                 "reduce_scatter_dtype"),
            Seam(TO_SHARDS, "minifsdp.fsdp2.reduce", "to_sharded_grads", "to_sharded_grads")),
-    notes=("mixed precision", "accumulating in the reduce dtype", "who owns the shard's storage"),
+    notes=("mixed precision", "accumulating in the reduce dtype", "who owns the shard's storage",
+           "freeing with resize_"),
     run=run_lab,
     hint=hint,
     oracle="torch's fully_shard with the same MixedPrecisionPolicy (and the package's copy-in)",

@@ -1,6 +1,6 @@
-"""Lab 05's planted bugs: layout copies a learner plausibly gets wrong (Note [copy-in and
-copy-out], Note [padding], Note [dim-0 chunks], Note [version counter], Note [freeing with
-resize_]).
+"""Lab 05's planted bugs: layout copies and state changes a learner plausibly gets wrong (Note
+[copy-in and copy-out], Note [padding], Note [dim-0 chunks], Note [version counter], Note
+[freeing with resize_], Note [issue and wait], Note [reshard to k ranks]).
 
 Each function replaces one seam (``@replaces``); tests/test_labs.py checks that the checker
 rejects it and points where the bug shows first.
@@ -8,7 +8,9 @@ rejects it and points where the bug shows first.
 
 import torch
 
+from minifsdp import comm
 from minifsdp.fsdp2.fsdp_param import chunk_dim0
+from minifsdp.fsdp2.fsdp_param_group import ShardedState
 from minifsdp.labs.seams import replaces
 from minifsdp.memory import tag
 
@@ -136,9 +138,123 @@ def rows_split_by_tensor_split(group, params, grads, dtype):
     return flat
 
 
+# ---- unshard, wait_for_unshard, reshard ---------------------------------------------------------
+
+
+def _register(p, param):
+    for module, name in p.owners:
+        setattr(module, name, param)
+
+
+def _unshard(group, async_op, *, skip_unsharded=True, use_piece=True, wait=True):
+    """The package's unshard, with one of its decisions switched off by a bug below."""
+    if group._in_flight is not None or (
+            skip_unsharded and group.sharded_state is ShardedState.UNSHARDED):
+        return
+    if use_piece and group.sharded_state is ShardedState.SHARDED_POST_FORWARD:
+        my_slot, gathered = group._post_forward_copy_in()
+        pg, world = group.post_forward_ranks.group, group.post_forward_ranks.size
+    else:
+        my_slot, gathered = group._all_gather_copy_in()
+        pg, world = group.process_group, group.world_size
+    work = comm.all_gather_into_tensor(gathered, my_slot, pg, async_op and not wait,
+                                       tag=f"fsdp2 params {group.name}")
+    group._in_flight = (work, gathered, world)
+    if not async_op or wait:
+        group.wait_for_unshard()
+
+
+@replaces("fsdp2.unshard")
+def waits_even_when_asked_not_to(group, async_op=False):
+    """Always finishes the all-gather before returning, ignoring ``async_op``: right values,
+    but a prefetch then waits where it meant only to issue, and nothing overlaps (Note [issue
+    and wait])."""
+    _unshard(group, async_op, wait=True)
+
+
+@replaces("fsdp2.unshard")
+def gathers_again_while_unsharded(group, async_op=False):
+    """Returns early only while an all-gather is in flight, not when the group is already
+    unsharded: the root's pre-backward (unsharded since forward) all-gathers again, the
+    same values for a whole collective's bytes (Note [issue and wait])."""
+    _unshard(group, async_op, skip_unsharded=False, wait=not async_op)
+
+
+@replaces("fsdp2.unshard")
+def ignores_the_piece_kept_for_k_ranks(group, async_op=False):
+    """Gathers the shards over all N ranks whatever the state: the values are right, but after
+    ``reshard_after_forward=k`` the backward all-gather should stay within k ranks, from the
+    piece kept for it (Note [reshard to k ranks])."""
+    _unshard(group, async_op, use_piece=False, wait=not async_op)
+
+
+def _wait(group, *, free=True, only_trainable=False):
+    if group._in_flight is None:
+        return
+    work, gathered, world = group._in_flight
+    if work is not None:
+        work.wait()
+    group._all_gather_copy_out(gathered, world)
+    if free:
+        gathered.untyped_storage().resize_(0)
+    group._post_forward_data = None
+    for p in group.fsdp_params:
+        if not only_trainable or p.sharded_param.requires_grad:
+            _register(p, p.unsharded_param)
+    group.sharded_state = ShardedState.UNSHARDED
+    group._in_flight = None
+
+
+@replaces("fsdp2.wait_for_unshard")
+def drops_the_buffer_instead_of_freeing_it(group):
+    """Lets the all-gather buffer go by dropping ``_in_flight``, trusting the garbage
+    collector: gloo's thread may still hold it, so its bytes die at a moment no one chose
+    (Note [freeing with resize_])."""
+    _wait(group, free=False)
+
+
+@replaces("fsdp2.wait_for_unshard")
+def registers_only_trainable_parameters(group):
+    """Puts the unsharded parameter on the modules only where it requires grad, as if frozen
+    parameters could stay sharded: the frozen layer computes with its DTensor shard (Note
+    [the tensors of one parameter])."""
+    _wait(group, only_trainable=True)
+
+
+def _reshard(group, *, free=True, drop=False):
+    group.discard_unshard()
+    group._post_forward_data = None
+    if group.sharded_state is ShardedState.UNSHARDED:
+        for p in group.fsdp_params:
+            _register(p, p.sharded_param)
+            if free:
+                p._unsharded_data.untyped_storage().resize_(0)
+            if drop:
+                p.unsharded_param = p._unsharded_data = None
+    group.sharded_state = ShardedState.SHARDED
+
+
+@replaces("fsdp2.reshard")
+def registers_the_shards_but_keeps_the_storage(group):
+    """Puts the sharded DTensors back on the modules and stops: the values are right and the
+    modules look resharded, but every unsharded parameter keeps its bytes (Note [freeing
+    with resize_])."""
+    _reshard(group, free=False)
+
+
+@replaces("fsdp2.reshard")
+def drops_the_unsharded_tensors(group):
+    """Frees by forgetting the unsharded tensors (``p.unsharded_param = None``): the tensors
+    autograd saved in forward keep the bytes alive, and the next unshard makes new tensors
+    that backward never sees (Note [freeing with resize_])."""
+    _reshard(group, free=False, drop=True)
+
+
 # What the checker must say about each bug: the report's status, the jobs to run (the smallest
 # that shows the bug), and where the first divergence is (case, checked value) or the line.
 COPY_OUT_CASE = "copy-out of one group (7 and 10 rows; N slots and 1; fp32 and bf16)"
+UNSHARD_CASE = ("unshard and reshard of one group (blocking, issued then waited, dropped in "
+                "flight, from a piece kept for k ranks)")
 EXPECTED = {
     "reads_the_buffer_parameter_major": dict(
         status="diverged", world_sizes=(2,), phase="copy-out", case=COPY_OUT_CASE,
@@ -167,4 +283,32 @@ EXPECTED = {
     "rows_split_by_tensor_split": dict(
         status="diverged", world_sizes=(3,), phase="copy-in",
         name="reduce-scatter input (3 slots, padding zero, fp32)", hint="Note [dim-0 chunks]"),
+    "waits_even_when_asked_not_to": dict(
+        status="diverged", world_sizes=(2,), case=UNSHARD_CASE, phase="unshard",
+        name="fp32: sharded_state after unshard(async_op=True), twice",
+        hint="only issues"),
+    "gathers_again_while_unsharded": dict(
+        status="diverged", world_sizes=(2,), case=UNSHARD_CASE, phase="unshard",
+        name="fp32: the collectives of unshard() while unsharded (op, tag, ranks, input bytes)",
+        hint="none otherwise"),
+    "ignores_the_piece_kept_for_k_ranks": dict(
+        status="diverged", world_sizes=(2,), case=UNSHARD_CASE, phase="unshard",
+        name="fp32: the collectives of unshard() from SHARDED_POST_FORWARD (k = 1) (op, tag, "
+             "ranks, input bytes)", hint="Note [reshard to k ranks]"),
+    "drops_the_buffer_instead_of_freeing_it": dict(
+        status="diverged", world_sizes=(2,), case=UNSHARD_CASE, phase="unshard",
+        name="fp32: bytes behind the all-gather buffer after unshard()",
+        hint="Note [freeing with resize_]"),
+    "registers_only_trainable_parameters": dict(
+        status="diverged", world_sizes=(2,), case=UNSHARD_CASE, phase="unshard",
+        name="1.bias: its module holds the unsharded parameter after unshard()",
+        hint="p.owners"),
+    "registers_the_shards_but_keeps_the_storage": dict(
+        status="diverged", world_sizes=(2,), case=UNSHARD_CASE, phase="reshard",
+        name="fp32: bytes behind the unsharded parameters after reshard()",
+        hint="resize_(0)"),
+    "drops_the_unsharded_tensors": dict(
+        status="diverged", world_sizes=(2,), case=UNSHARD_CASE, phase="reshard",
+        name="0.weight: the same unsharded tensor object after reshard() (autograd saved it)",
+        hint="never replaced"),
 }

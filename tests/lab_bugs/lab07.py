@@ -122,7 +122,9 @@ def assigns_instead_of_accumulating(group, params, out):
     step, but a second backward before the optimizer step replaces the first one's gradient
     instead of adding to it (Note [who owns the shard's storage]: an existing ``.grad`` is
     added into)."""
-    out = out.to(group.dtypes.orig)
+    if out.dtype != group.dtypes.orig:
+        low, out = out, out.to(group.dtypes.orig)
+        low.untyped_storage().resize_(0)
     offset = 0
     for p in params:
         mine = out[offset: offset + p.sharded_numel].view(p.sharded_size)
@@ -130,10 +132,78 @@ def assigns_instead_of_accumulating(group, params, out):
         p.sharded_param.grad = p.to_sharded_dtensor(mine)
 
 
+@replaces("fsdp2.grads_to_shards")
+@torch.no_grad()
+def adds_in_the_reduce_dtype(group, params, out):
+    """Adds a second backward's reduced rows to the ``.grad`` in the reduce dtype (bf16), then
+    casts the sum up: every accumulation rounds to 8 significant bits, where torch adds the
+    cast-up rows in fp32 (Note [accumulating in the reduce dtype])."""
+    low, offset = out, 0
+    if out.dtype != group.dtypes.orig:
+        out = low.to(group.dtypes.orig)
+        tag(out, "grads")
+    for p in params:
+        mine = out[offset: offset + p.sharded_numel].view(p.sharded_size)
+        mine_low = low[offset: offset + p.sharded_numel].view(p.sharded_size)
+        offset += p.padded_shard_numel
+        if p.sharded_param.grad is None:
+            p.sharded_param.grad = p.to_sharded_dtensor(mine)
+        else:
+            local = p.sharded_param.grad._local_tensor
+            local.copy_(local.to(low.dtype) + mine_low)
+    if low is not out:
+        low.untyped_storage().resize_(0)
+
+
+@replaces("fsdp2.grads_to_shards")
+@torch.no_grad()
+def keeps_the_low_precision_slot(group, params, out):
+    """Casts the reduced bf16 slot up to fp32 and leaves the bf16 one to the garbage
+    collector: gloo's thread may still hold it, so half a slot of bytes lives on for as long
+    as it likes (Note [freeing with resize_]: free it at once)."""
+    if out.dtype != group.dtypes.orig:
+        out = out.to(group.dtypes.orig)
+        tag(out, "grads")
+    offset = 0
+    for p in params:
+        mine = out[offset: offset + p.sharded_numel].view(p.sharded_size)
+        offset += p.padded_shard_numel
+        if p.sharded_param.grad is None:
+            p.sharded_param.grad = p.to_sharded_dtensor(mine)
+        else:
+            p.sharded_param.grad._local_tensor.add_(mine)
+
+
+@replaces("fsdp2.reduce_dtype")
+@torch.no_grad()
+def casts_accumulators_to_the_first_dtype(group, grads):
+    """Brings gradients of two dtypes to one by casting them all to the first one's: after a
+    backward without sync that is this backward's bf16 gradient, and the fp32 accumulators of
+    the others lose 16 bits before the reduce-scatter (Note [accumulating in the reduce
+    dtype])."""
+    if len({g.dtype for g in grads}) > 1:
+        grads[:] = [g.to(grads[0].dtype) for g in grads]
+    return group.dtypes.reduce or grads[0].dtype
+
+
+@replaces("fsdp2.all_gather_copy_in")
+@torch.no_grad()
+def gathers_from_a_separate_slot(group):
+    """Builds this rank's slot as a tensor of its own (the shards concatenated and cast) and
+    all-gathers from it into the buffer: the right bytes on the wire and in the buffer, but the
+    slot is a second allocation the caller never frees, not a view of the buffer (Note
+    [copy-in and copy-out])."""
+    inputs = [p.all_gather_input() for p in group.fsdp_params]
+    my_slot = torch.cat(inputs).to(group.dtypes.gather)
+    gathered = my_slot.new_empty(group.world_size * my_slot.numel())
+    tag(gathered, "comm", label="all-gather buffers")
+    return my_slot, gathered
+
+
 # What the checker must say about each bug: the report's status, the jobs to run (the smallest
 # that shows the bug), and where the first divergence is (case, checked value) or the line.
-BF16_CASE = ("3 Adam steps against torch's fully_shard, param_dtype=bf16, reduce in bf16, "
-             "2 backwards per step")
+REDUCE_CASE = ("the reduce dtype and the sharded gradients of one group (bf16 gradients, fp32 "
+               "accumulators beside bf16 ones, a bf16 slot added twice)")
 EXPECTED = {
     "casts_after_the_all_gather": dict(
         status="diverged", world_sizes=(2,), case="the all-gather copy-in of each group, "
@@ -142,8 +212,8 @@ EXPECTED = {
         status="diverged", world_sizes=(2,), step=1, phase="forward",
         name="body.0.weight, unsharded"),
     "reduces_in_param_dtype": dict(
-        status="diverged", world_sizes=(2,), step=0, phase="backward",
-        name="reduce-scatters of the step (tag, dtype, input bytes)", hint="reduce_dtype"),
+        status="diverged", world_sizes=(2,), case=REDUCE_CASE, phase="backward",
+        name="reduce dtype (bf16 params, fp32 reduce, bf16 gradients)", hint="reduce_dtype"),
     "keeps_the_reduced_dtype": dict(status="crash", world_sizes=(2,), where="lab07.py:70"),
     "casts_to_fp16": dict(
         status="diverged", world_sizes=(2,), case="the all-gather copy-in of each group, "
@@ -152,9 +222,26 @@ EXPECTED = {
         status="diverged", world_sizes=(2,), case="the all-gather copy-in of each group, "
         "bf16 params", name="body: all-gather wire bytes", hint="yours moved 2× the bytes"),
     "reduces_in_master_dtype": dict(
-        status="diverged", world_sizes=(2,), case=BF16_CASE, step=0, phase="backward",
-        name="reduce-scatters of the step (tag, dtype, input bytes)", hint="reduce_dtype"),
+        status="diverged", world_sizes=(2,), case=REDUCE_CASE, phase="backward",
+        name="reduce dtype (bf16 reduce, bf16 gradients)", hint="reduce_dtype"),
     "assigns_instead_of_accumulating": dict(
-        status="diverged", world_sizes=(2,), case=BF16_CASE, step=0, phase="backward",
-        name="scale.grad"),
+        status="diverged", world_sizes=(2,), case=REDUCE_CASE, phase="backward",
+        name="0.weight.grad, the local rows (bf16 reduce, backward 2 of 2)",
+        hint="added to the fp32 .grad"),
+    "adds_in_the_reduce_dtype": dict(
+        status="diverged", world_sizes=(2,), case=REDUCE_CASE, phase="backward",
+        name="0.weight.grad, the local rows (bf16 reduce, backward 2 of 2)",
+        hint="added to the fp32 .grad in fp32"),
+    "keeps_the_low_precision_slot": dict(
+        status="diverged", world_sizes=(2,), case=REDUCE_CASE, phase="backward",
+        name="bytes behind the bfloat16 slot after to_sharded_grads (bf16 reduce, backward 1 "
+             "of 2)", hint="Note [freeing with resize_]"),
+    "casts_accumulators_to_the_first_dtype": dict(
+        status="diverged", world_sizes=(2,), case=REDUCE_CASE, phase="backward",
+        name="gradient 0 (bf16 params, fp32 reduce, fp32 accumulators beside bf16 gradients)",
+        hint="Note [accumulating in the reduce dtype]"),
+    "gathers_from_a_separate_slot": dict(
+        status="diverged", world_sizes=(2,), step=0, phase="forward",
+        case="3 Adam steps against torch's fully_shard, param_dtype=bf16, reduce_dtype=fp32",
+        name="all-gather buffers and slots: bytes after forward", hint="a view of gathered"),
 }
