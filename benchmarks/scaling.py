@@ -251,6 +251,7 @@ def plot(res: dict, path: Path | None = None, axes=None):
     if path is not None and axes is None:
         matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import FormatStrFormatter, NullFormatter
 
     ns = res["config"]["world_sizes"]
     fig = None
@@ -270,6 +271,9 @@ def plot(res: dict, path: Path | None = None, axes=None):
         ax.set(xscale="log", yscale="log", xlabel="N (ranks)", ylabel=f"{what} / N = 1's",
                title=f"{what}, ratio to N = 1")
         ax.set_xticks(ns, [str(n) for n in ns])
+        ax.xaxis.set_minor_formatter(NullFormatter())
+        ax.yaxis.set_major_formatter(FormatStrFormatter("%g"))
+        ax.yaxis.set_minor_formatter(FormatStrFormatter("%g"))
         ax.grid(alpha=0.3, which="both")
     axes[0].set_title(f"step time, ratio to N = 1 (gloo, {cores} CPU cores shared by the ranks)",
                       fontsize=10)
