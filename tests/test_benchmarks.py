@@ -68,3 +68,73 @@ def test_run_all_twice_finds_a_cell_that_changes_on_the_second_run(tmp_path):
     assert "-[stdout] run 1" in res["differ"][0][1] and "+[stdout] run 2" in res["differ"][0][1]
     assert res["errors"] == ["cell 3 (second run): AssertionError: ran before"]
     assert "cell 2 differs" in run_all_twice.report(res)
+
+
+_spec3 = importlib.util.spec_from_file_location(
+    "scaling", Path(__file__).resolve().parents[1] / "benchmarks" / "scaling.py")
+scaling = importlib.util.module_from_spec(_spec3)
+_spec3.loader.exec_module(scaling)
+
+
+def test_scaling_refuses_what_strong_scaling_cannot_run(capsys):
+    import pytest
+
+    for argv, what in ((["--world-sizes", "2", "4"], "must include 1"),
+                       (["--global-batch", "6", "--world-sizes", "1", "4"],
+                        "--global-batch 6 is not divisible by world sizes [4]"),
+                       (["--strategies", "fsdp3"], "unknown ['fsdp3']")):
+        with pytest.raises(SystemExit):
+            scaling.parse_args(argv)
+        assert what in capsys.readouterr().err, argv
+
+
+def test_scaling_reports_a_strategy_that_cannot_run_at_one_rank():
+    """summarize/table on made-up rank results: a strategy whose N = 1 build failed gets no
+    ratios, is listed as unavailable and printed as such, and the others are unaffected."""
+    args = scaling.parse_args(["--world-sizes", "1", "2", "--strategies", "fsdp2", "zero1",
+                               "--rounds", "1", "--steps", "2"])
+    ok = lambda t, p: {"times": {"fsdp2": [[t, t]]},
+                       "peaks": {"fsdp2": {"attributed": p, "total": p + 1, "by_category": {}}},
+                       "errors": {"zero1": "ValueError: no"}, "num_params": 10,
+                       "world_size": 1, "local_batch": 8, "device": "cpu", "backend": "gloo"}
+    ranks = {1: [ok(0.2, 1000)], 2: [ok(0.1, 600), ok(0.1, 500)]}
+    res = scaling.summarize(args, ranks, {1: "one", 2: "two"})
+    assert res["ratios"]["fsdp2"]["2"] == {"time": 0.5, "peak": 0.6}  # the larger rank's peak
+    assert res["ratios"]["zero1"] == {"1": None, "2": None}
+    assert res["unavailable"] == {"zero1": {"1": "ValueError: no", "2": "ValueError: no"}}
+    assert "zero1         cannot run at N = 1: ValueError: no" in scaling.table(res)
+
+
+def test_scaling_runs_every_strategy_at_one_and_two_ranks(tmp_path):
+    """The benchmark itself, tiny (N = 1, 2; one timed step): the JSON's structure and what
+    is exact -- peaks are tensor bytes (every category but other), the same in every run --
+    never a time."""
+    import json
+
+    out = tmp_path / "scaling.json"
+    args = scaling.parse_args(["--world-sizes", "1", "2", "--rounds", "1", "--steps", "1",
+                               "--warmup", "0", "--global-batch", "2", "--n-layer", "1",
+                               "--d-model", "64", "--seq-len", "16", "--out", str(out)])
+    scaling.driver(args)
+    res = json.loads(out.read_text())
+    names = list(scaling.STRATEGIES)
+    assert len(names) == 9 and res["config"]["strategies"] == names
+    assert res["unavailable"] == {}
+    assert res["local_batch"] == {"1": 2, "2": 1} and res["scaling"].startswith("strong")
+    for s in names:
+        assert set(res["results"][s]) == {"1", "2"}
+        for n in ("1", "2"):
+            cell = res["results"][s][n]
+            assert cell["error"] is None and cell["time_s"] > 0
+            assert len(cell["round_medians_s"]) == 1 and len(cell["peak_by_rank"]) == int(n)
+            assert cell["peak_bytes"] == max(cell["peak_by_rank"])
+        r, two, one = res["ratios"][s]["2"], res["results"][s]["2"], res["results"][s]["1"]
+        assert r == {"time": two["time_s"] / one["time_s"],
+                     "peak": two["peak_bytes"] / one["peak_bytes"]}
+    peak = {s: {n: res["results"][s][n]["peak_bytes"] for n in ("1", "2")} for s in names}
+    # half the batch per rank and, for every sharding strategy, half the sharded states
+    assert all(peak[s]["2"] < peak[s]["1"] for s in names), peak
+    # DDP replicates: at its peak every rank holds all 4 Psi bytes of fp32 parameters, at any N
+    assert all(res["results"][s][n]["peak_by_category_rank0"]["params"] == 4 * res["num_params"]
+               for s in ("ddp", "torch_ddp") for n in ("1", "2"))
+    assert (tmp_path / "scaling.png").stat().st_size > 0
