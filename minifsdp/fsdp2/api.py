@@ -185,8 +185,8 @@ class FSDPModule:
                 if isinstance(m, FSDPModule):
                     m.set_gradient_divide_factor(float(tokens_in_global_batch))
         """
-        if self.fsdp_state.group is not None:
-            self.fsdp_state.group.gradient_divide_factor = factor
+        for group in self._groups(recurse=False):
+            group.gradient_divide_factor = factor
 
     def set_reduce_scatter_divide_factor(self, factor: float) -> None:
         """Deprecated in torch: ``set_gradient_divide_factor``."""
@@ -208,14 +208,14 @@ class FSDPModule:
         if stream is not None:
             raise NotImplementedError("set_all_reduce_hook(stream=...): minifsdp runs the hook "
                                       "on the current stream (Note [GPUs])")
-        if self.fsdp_state.group is not None:
-            self.fsdp_state.group.all_reduce_hook = hook
+        for group in self._groups(recurse=False):
+            group.all_reduce_hook = hook
 
     def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
         """Reduce with SUM only, dividing before / after the collective instead of inside it
         (AVG, PREMUL_SUM); this module's group only, as torch's (Note [divide factor])."""
-        if self.fsdp_state.group is not None:
-            self.fsdp_state.group.force_sum_reduction_for_comms = enable
+        for group in self._groups(recurse=False):
+            group.force_sum_reduction_for_comms = enable
 
     def set_reduce_scatter_unused_params(self, reduce_scatter_unused_params: bool, *,
                                          recurse: bool = True) -> None:
