@@ -20,7 +20,7 @@
 # benchmarks/RESULTS.md); without CUDA the default is runs/gpu_check/RESULTS.md instead, so a
 # CPU dry run never lands in benchmarks/RESULTS.md. Logs: runs/gpu_check/.
 # Time limits (seconds, env): GPU_CHECK_TOTAL_S (480), GPU_CHECK_CHECK_S (150),
-# GPU_CHECK_BENCH_S (120; 0 skips the bench), GPU_CHECK_NOTEBOOKS_S (150); the tests get what
+# GPU_CHECK_BENCH_S (120; 0 skips the bench; GPU_CHECK_CHECK_S=0 skips the check), GPU_CHECK_NOTEBOOKS_S (150); the tests get what
 # is left. GPU_CHECK_NOTEBOOKS and GPU_CHECK_TESTS (space-separated paths) narrow parts (b), (c).
 
 set -u
@@ -93,6 +93,9 @@ trap 'say interrupted; exit 130' INT TERM
 } >> "$SECTION"
 
 # ---- (a) gpucheck: parity at world size 1, then the bench ---------------------------------------
+if [ "${GPU_CHECK_CHECK_S:-150}" = 0 ]; then
+    echo "### (a) python -m minifsdp.gpucheck: skipped (GPU_CHECK_CHECK_S=0)" >> "$SECTION"
+else
 S=$(min "${GPU_CHECK_CHECK_S:-150}" "$(left)"); t=$(date +%s)
 say "(a) gpucheck ${CHECK_ARGS[*]} (deadline ${S}s)"
 deadline "$S" "$PY" -m minifsdp.gpucheck ${CHECK_ARGS[@]+"${CHECK_ARGS[@]}"} --timeout $(( S - 5 )) --out "$WORK/check.md" \
@@ -104,6 +107,7 @@ rc=$?
     if [ -s "$WORK/check.md" ]; then sed 's/^## /#### /' "$WORK/check.md"
     else tail_block "$WORK/gpucheck.log" 30; fi
 } >> "$SECTION"
+fi
 
 S=$(min "${GPU_CHECK_BENCH_S:-120}" "$(left)"); t=$(date +%s)
 if [ "${GPU_CHECK_BENCH_S:-120}" = 0 ]; then

@@ -149,6 +149,7 @@ BENCH_TINY = ("--n-layer", 2, "--d-model", 64, "--n-head", 4, "--vocab-size", 64
               "--seq-len", 32, "--global-batch", 4)
 BF16 = ("--param-dtype", "bf16", "--reduce-dtype", "fp32")
 BENCH_PAIRS = [
+    Pair("fsdp2 fp32", "fsdp2", "torch_fsdp2"),
     Pair("fsdp2 bf16 params, fp32 reduce", "fsdp2", "torch_fsdp2", BF16),
     Pair("fsdp1 bf16 params, fp32 reduce, a unit per block, backward_pre", "fsdp1",
          "torch_fsdp1", (*FSDP1, *BF16, "--backward-prefetch", "backward_pre")),
@@ -188,6 +189,30 @@ def build(strategy: str, extra: tuple, info, gpt: tuple, steps: int,
         raise ValueError("foreach is set for adamw only")
     kw = {} if foreach == "torch" else {"foreach": foreach}
     return args, setup, torch.optim.AdamW(params, lr=args.lr, weight_decay=0.1, **kw)
+
+
+class Autocast(torch.nn.Module):
+    """``module`` with its forward under ``torch.autocast`` to bf16: the compute-only step of a
+    bf16-params pair (bf16 matmuls, fp32 master weights, no FSDP) in ``--bench``."""
+
+    def __init__(self, module: torch.nn.Module):
+        super().__init__()
+        self.module = module
+
+    def forward(self, *args):
+        device = next(self.module.parameters()).device
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            return self.module(*args)
+
+
+def compute_only(pair: Pair, info, gpt: tuple, steps: int):
+    """The pair's model trained by one process with no wrapper at all (``single``), under
+    autocast where the pair computes in bf16: the step FSDP's bookkeeping is measured against
+    when communication is free (world size 1)."""
+    args, model, opt = build("single", (), info, gpt, steps)
+    if "--param-dtype" in pair.extra:
+        model = Autocast(model)
+    return args, model, opt
 
 
 def _fresh(device: torch.device) -> None:
@@ -304,8 +329,9 @@ def _header(info) -> dict:
 
 
 def bench_worker(tiny: bool, rounds: int, steps: int, warmup: int) -> None:
-    """Step time of ours against torch's, the two models alive side by side and timed in
-    interleaved rounds (who goes first alternates), ``steps`` steps a round; the medians."""
+    """Step time of ours, torch's and the compute-only step (``compute_only``), the three
+    models alive side by side and timed in interleaved rounds (the order rotates each round),
+    ``steps`` steps a round; the medians."""
     from minifsdp.dist import dist_setup, finish
     from minifsdp.models import count_params
     from minifsdp.train import train_step
@@ -318,6 +344,7 @@ def bench_worker(tiny: bool, rounds: int, steps: int, warmup: int) -> None:
     for pair in BENCH_PAIRS:
         _fresh(info.device)
         runs = [build(s, pair.extra, info, gpt, steps) for s in (pair.ours, pair.torch)]
+        runs.append(compute_only(pair, info, gpt, steps))
         args = runs[0][0]
         n_params = count_params(runs[1][1])  # torch's: the original parameters, unpadded
         # random tokens on the device: the data loader is not what is timed
@@ -328,9 +355,9 @@ def bench_worker(tiny: bool, rounds: int, steps: int, warmup: int) -> None:
         for _, model, opt in runs:
             for _ in range(warmup):
                 train_step(model, opt, x, y)
-        times: list[list[float]] = [[], []]
+        times: list[list[float]] = [[] for _ in runs]
         for r in range(rounds):
-            for i in ((0, 1) if r % 2 == 0 else (1, 0)):
+            for i in [(r + k) % len(runs) for k in range(len(runs))]:
                 _, model, opt = runs[i]
                 sync()
                 t0 = time.perf_counter()
@@ -338,13 +365,14 @@ def bench_worker(tiny: bool, rounds: int, steps: int, warmup: int) -> None:
                     train_step(model, opt, x, y)
                 sync()
                 times[i].append((time.perf_counter() - t0) / steps)
-        ours, theirs = (statistics.median(t) for t in times)
+        ours, theirs, alone = (statistics.median(t) for t in times)
         tokens = args.global_batch * args.seq_len
         out["bench"].append({
             "name": pair.name, "ours": pair.ours, "torch": pair.torch, "params": n_params,
             "tokens": tokens, "step_ms": [1e3 * ours, 1e3 * theirs],
+            "compute_only_ms": 1e3 * alone,
             "rounds_ms": [[1e3 * t for t in ts] for ts in times],
-            "ratio": ours / theirs,
+            "ratio": ours / theirs, "ratio_compute_only": ours / alone,
             # 6 N tokens: forward and backward matmuls, attention's own flops left out
             "tflops": [6 * n_params * tokens / t / 1e12 for t in (ours, theirs)],
             "peak_gb": torch.cuda.max_memory_allocated(info.device) / 2**30 if cuda else None,
@@ -397,12 +425,18 @@ def report_bench(res: dict) -> str:
              f"torch {res['torch']}", "",
              f"{res['rounds']} interleaved rounds of {res['steps']} steps after {res['warmup']} "
              "warm-up steps each; medians of the per-step time; MINIFSDP_DETERMINISTIC=0.", "",
-             "| pair | params | tokens/step | step ms ours / torch | ours / torch | "
-             "TFLOP/s (6N) ours / torch | peak GB |", "|---|---|---|---|---|---|---|"]
+             "Compute only: the same model and batch trained by one process with no wrapper "
+             "(under bf16 autocast where the pair computes in bf16); ours / compute only is "
+             "the cost of the bookkeeping when communication is free.", "",
+             "| pair | params | tokens/step | step ms ours / torch / compute only | "
+             "ours / torch | ours / compute only | TFLOP/s (6N) ours / torch | peak GB |",
+             "|---|---|---|---|---|---|---|---|"]
     for b in res["bench"]:
         peak = f"{b['peak_gb']:.1f}" if b["peak_gb"] is not None else "n/a (CPU)"
         lines.append(f"| {b['name']} | {b['params'] / 1e6:.1f}M | {b['tokens']:,} | "
-                     f"{b['step_ms'][0]:.1f} / {b['step_ms'][1]:.1f} | {b['ratio']:.3f} | "
+                     f"{b['step_ms'][0]:.1f} / {b['step_ms'][1]:.1f} / "
+                     f"{b['compute_only_ms']:.1f} | {b['ratio']:.3f} | "
+                     f"{b['ratio_compute_only']:.3f} | "
                      f"{b['tflops'][0]:.1f} / {b['tflops'][1]:.1f} | {peak} |")
     return "\n".join(lines) + "\n"
 
