@@ -53,7 +53,9 @@ GPU_CHECK_CHECK_S=0 GPU_CHECK_BENCH_S=0 GPU_CHECK_OUT="$OUT/gpu_check_section.md
     bash benchmarks/gpu_check.sh > "$OUT/gpu_check.log" 2>&1
 [ -n "${CHECK_PID:-}" ] && wait "$CHECK_PID"
 say "done"
+# few files come back from the device: the runs and the profiles travel as one archive each
 tar czf "$OUT/gpu_check_runs.tgz" runs/gpu_check 2>/dev/null
+(cd "$OUT" && ls profile_*.txt > /dev/null 2>&1 && tar czf profiles.tgz profile_*.txt && rm profile_*.txt)
 for f in bench.md check.md gpu_check_section.md; do
     [ -s "$OUT/$f" ] && { echo "==== $f"; cat "$OUT/$f"; }
 done

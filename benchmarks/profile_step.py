@@ -2,6 +2,7 @@
 
     python benchmarks/profile_step.py --strategy fsdp2                  # the --bench GPT
     python benchmarks/profile_step.py --strategy torch_fsdp2 --bf16
+    python benchmarks/profile_step.py --strategy single --bf16     # the compute-only step
     python benchmarks/profile_step.py --strategy bucketed_ddp --tiny --rows 15   # on a CPU
 
 Builds the model as ``python -m minifsdp.gpucheck --bench`` does (``gpucheck.build``), runs
@@ -32,12 +33,19 @@ def main(argv=None) -> None:
     from torch.profiler import ProfilerActivity, profile
 
     from minifsdp.dist import dist_setup
-    from minifsdp.gpucheck import BENCH_GPT, BENCH_TINY, BF16, build
+    from minifsdp.gpucheck import BENCH_GPT, BENCH_PAIRS, BENCH_TINY, BF16, Autocast, build
     from minifsdp.train import train_step
 
     info = dist_setup()
     gpt = BENCH_GPT + (BENCH_TINY if args.tiny else ())
-    targs, model, opt = build(args.strategy, BF16 if args.bf16 else (), info, gpt, args.steps)
+    if args.strategy == "single":  # the compute-only step of gpucheck --bench
+        targs, model, opt = build("single", (), info, gpt, args.steps)
+        model = Autocast(model) if args.bf16 else model
+    else:
+        # the bench pair's options (FSDP1's wrapping and prefetch), else just the dtypes
+        extra = next((p.extra for p in BENCH_PAIRS if args.strategy in (p.ours, p.torch)
+                      and ("--param-dtype" in p.extra) == args.bf16), BF16 if args.bf16 else ())
+        targs, model, opt = build(args.strategy, extra, info, gpt, args.steps)
     x = torch.randint(targs.vocab_size, (targs.global_batch, targs.seq_len), device=info.device)
     y = torch.roll(x, -1, dims=1)
     cuda = info.device.type == "cuda"
@@ -59,7 +67,10 @@ def main(argv=None) -> None:
     print(f"## {args.strategy}{' bf16' if args.bf16 else ''}: {info.device}, torch "
           f"{torch.__version__}; step {1e3 * wall:.1f} ms unprofiled (mean of {args.steps})")
     if cuda:
-        busy = sum(e.self_device_time_total for e in ev) / args.steps / 1e3
+        from torch.autograd import DeviceType
+
+        busy = sum(e.self_device_time_total for e in ev
+                   if e.device_type == DeviceType.CUDA) / args.steps / 1e3
         print(f"GPU busy {busy:.1f} ms a step (sum of kernels' own time): the rest of the step "
               "is the GPU waiting for the CPU")
     print(ev.table(sort_by="self_cpu_time_total", row_limit=args.rows, max_name_column_width=60))

@@ -157,6 +157,24 @@ def describe_machine() -> str:
                    "with gloo")
 
 
+def require_torch_api(owner: type, names: tuple[str, ...], who: str) -> None:
+    """Raise a ``RuntimeError`` naming every attribute of ``owner`` in ``names`` that this
+    torch lacks, the torch found and the one ``pyproject.toml`` pins; ``who`` says what needs
+    them. For code that compares with a torch API newer than some readers' torch.
+
+    Example::
+
+        require_torch_api(torch.distributed.fsdp.FSDPModule, ("reset_iter_state",),
+                          "chapter 11")    # torch 2.11: RuntimeError naming reset_iter_state
+    """
+    missing = [n for n in names if not hasattr(owner, n)]
+    if missing:
+        raise RuntimeError(
+            f"{who} compares with torch's {owner.__name__}.{', .'.join(missing)}, which torch "
+            f"{torch.__version__} does not have; install the torch pyproject.toml pins "
+            "(torch==2.14.1), where they are")
+
+
 def dist_setup(backend: str | None = None, timeout_s: float | None = None) -> DistInfo:
     """Initialise the default process group from torchrun's environment.
 

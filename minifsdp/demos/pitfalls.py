@@ -33,10 +33,14 @@ from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.tensor import DTensor
 
 from minifsdp import comm, fsdp2
-from minifsdp.dist import dist_setup, finish
+from minifsdp.dist import dist_setup, finish, require_torch_api
 from minifsdp.memory import MemoryTracker
 from minifsdp.parity import divergence_line, max_abs_diff
 
+# torch's methods this demo compares ours with (the notebook checks them before launching)
+TORCH_API = ("set_reduce_scatter_unused_params", "set_gradient_divide_factor",
+             "set_force_sum_reduction_for_comms", "reset_iter_state")
+require_torch_api(TorchFSDPModule, TORCH_API, "minifsdp.demos.pitfalls (chapter 11)")
 info = dist_setup()
 rank, N = info.rank, info.world_size
 mesh = init_device_mesh(info.device.type, (N,))
