@@ -69,8 +69,10 @@ def main(argv=None) -> None:
     if cuda:
         from torch.autograd import DeviceType
 
-        busy = sum(e.self_device_time_total for e in ev
-                   if e.device_type == DeviceType.CUDA) / args.steps / 1e3
+        # kernels only, as the table's "Self CUDA time total": the ranges that user
+        # annotations (Optimizer.step, FSDP::...) record on the device would count twice
+        busy = sum(e.self_device_time_total for e in ev if e.device_type == DeviceType.CUDA
+                   and not e.is_user_annotation) / args.steps / 1e3
         print(f"GPU busy {busy:.1f} ms a step (sum of kernels' own time): the rest of the step "
               "is the GPU waiting for the CPU")
     print(ev.table(sort_by="self_cpu_time_total", row_limit=args.rows, max_name_column_width=60))
