@@ -109,7 +109,7 @@ def to_sharded_grads(group: FSDPParamGroup, params: list[FSDPParam], out: torch.
         mine = out[offset: offset + p.sharded_numel].view(p.sharded_size)
         offset += p.padded_shard_numel  # skip this parameter's padding
         if p.sharded_param.grad is None:
-            p.sharded_param.grad = p.to_sharded_dtensor(mine)
+            p.sharded_param.grad = p.to_sharded_grad(mine)
         else:  # gradient accumulation over several backwards
             p.sharded_param.grad._local_tensor.add_(mine)
 
