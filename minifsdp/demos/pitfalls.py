@@ -20,6 +20,9 @@ Per rank it reports:
 - ``reset`` (``FSDPModule.reset_iter_state``): step 2's first forward raises inside
   ``narrow``; the retried step's collectives and its peak by category, with and without the
   reset, and for a step that never failed.
+- ``forward_method`` (``register_fsdp_forward_method``): a ``generate`` that calls the
+  root's layers itself, on ours and torch's, without registering it (the error each raises)
+  and with (the tokens, against torch's and against one process's).
 """
 
 from __future__ import annotations
@@ -266,4 +269,60 @@ def reset() -> dict:
     return out
 
 
-finish({"rank": rank, "world_size": N, "unused": unused(), "tokens": tokens(), "reset": reset()})
+# ---- 4. a method other than forward ------------------------------------------------------------
+
+class Greedy(nn.Module):
+    """A tiny language model whose ``generate`` calls its layers itself, not ``forward``."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, 16)
+        self.body = nn.Linear(16, 16)
+        self.head = nn.Linear(16, VOCAB)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.body(self.emb(x))))
+
+    @torch.no_grad()
+    def generate(self, x, steps: int):
+        for _ in range(steps):  # greedy: the most likely next token, one at a time
+            h = torch.tanh(self.body(self.emb(x[:, -1:])))
+            x = torch.cat([x, self.head(h).argmax(-1)], dim=1)
+        return x
+
+
+def greedy(fs=None, register=None) -> nn.Module:
+    torch.manual_seed(0)
+    model = Greedy().to(info.device)
+    if fs is not None:
+        fs(model.body, mesh=mesh)  # a nested group: its own __call__ runs its hooks
+        fs(model, mesh=mesh)       # the root's group: emb and head
+        register(model, "generate")
+    return model
+
+
+def forward_method() -> dict:
+    """``generate`` on a sharded root, without and with ``register_fsdp_forward_method``:
+    the error each raises, and the tokens against torch's and one process's."""
+    from torch.distributed.fsdp import register_fsdp_forward_method as torch_register
+
+    prompt = torch.arange(4 * N).view(2 * N, 2).chunk(N)[rank].to(info.device) % VOCAB
+    out = {"errors": {}, "tokens": {}}
+    for name, fs, reg in (("ours", fsdp2.fully_shard, fsdp2.register_fsdp_forward_method),
+                          ("torch", torch_fully_shard, torch_register)):
+        try:
+            greedy(fs, lambda *_: None).generate(prompt, 6)
+            out["errors"][name] = None
+        except Exception as e:  # noqa: BLE001 -- what a user sees is the point
+            out["errors"][name] = f"{type(e).__name__}: {str(e).splitlines()[0]}"
+        out["tokens"][name] = greedy(fs, reg).generate(prompt, 6)
+    one = greedy().generate(prompt, 6)
+    return {"errors": out["errors"], "tokens": out["tokens"]["ours"].tolist(),
+            "vs_torch": divergence_line(out["tokens"]["ours"], out["tokens"]["torch"],
+                                        names=("fsdp2", "torch"), where=f"rank {rank}"),
+            "vs_one": divergence_line(out["tokens"]["ours"], one,
+                                      names=("fsdp2", "one process"), where=f"rank {rank}")}
+
+
+finish({"rank": rank, "world_size": N, "unused": unused(), "tokens": tokens(), "reset": reset(),
+        "forward_method": forward_method()})

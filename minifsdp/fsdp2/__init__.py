@@ -73,7 +73,7 @@ from minifsdp.fsdp2.api import (
 from minifsdp.fsdp2.float8 import Float8Weight, enable_float8_all_gather
 from minifsdp.fsdp2.fsdp_param import FSDPParam, chunk_dim0
 from minifsdp.fsdp2.fsdp_param_group import FSDPParamGroup, ShardedState, TrainingState
-from minifsdp.fsdp2.fsdp_state import FSDPState
+from minifsdp.fsdp2.fsdp_state import FSDPState, register_fsdp_forward_method
 from minifsdp.fsdp2.hsdp import MeshInfo, mesh_info
 from minifsdp.fsdp2.mixed_precision import MixedPrecisionPolicy
 from minifsdp.fsdp2.prefetch import UnshardHandle
@@ -82,5 +82,5 @@ __all__ = [
     "FSDPModule", "FSDPParam", "FSDPParamGroup", "FSDPState", "Float8Weight", "MeshInfo",
     "MixedPrecisionPolicy", "ShardedState", "TrainingState", "UnshardHandle", "chunk_dim0",
     "enable_float8_all_gather", "full_state_dict", "fully_shard", "load_full_state_dict",
-    "mesh_info",
+    "mesh_info", "register_fsdp_forward_method",
 ]

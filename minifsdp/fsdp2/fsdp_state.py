@@ -52,12 +52,22 @@ post-hook does nothing: the post-backward reshards, as without checkpointing. to
 returns early in the same places. Checkpointing regions *inside* a unit never re-runs these
 hooks: Note [activation checkpointing] in ``minifsdp/models.py``.
 
-Not handled (torch does): ``register_fsdp_forward_method`` for methods other than
-``forward``, moving the inputs to the device, and several roots sharing one backward.
+Note [forward methods]: the hooks above run around ``forward`` only, because ``nn.Module``
+calls them from ``__call__``. A method that uses the module's own parameters without going
+through ``forward`` -- a ``generate`` that calls ``self.emb`` and ``self.head`` itself -- finds
+them sharded: DTensors of this rank's rows, and the first op that mixes one with a plain
+tensor raises ("got mixed torch.Tensor and DTensor"). Nested ``fully_shard`` modules it calls
+are fine (their ``__call__`` runs their hooks); the module's own group is not.
+``register_fsdp_forward_method(module, "generate")`` wraps the method in the same pre- and
+post-forward hooks (torch's function of the same name, in ``_fully_shard.py``; chapter 11).
+
+Not handled (torch does): moving the inputs to the device, and several roots sharing one
+backward.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -284,3 +294,29 @@ def _in_backward() -> bool:
 
 def _tensors_requiring_grad(tree: Any) -> list[torch.Tensor]:
     return [t for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+
+
+def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
+    """Run ``module.<method_name>`` inside FSDP's pre- and post-forward hooks, as ``forward``
+    (Note [forward methods]). Not a ``fully_shard`` module: nothing happens, so one script
+    runs with and without FSDP (as torch's). A missing method is a ``ValueError``.
+
+    Example (``model`` a ``fully_shard`` root whose ``generate`` calls its layers itself)::
+
+        register_fsdp_forward_method(model, "generate")
+        tokens = model.generate(prompt, steps=8)    # the root's parameters all-gathered first
+    """
+    state = module.__dict__.get("_fsdp_state")
+    if state is None:
+        return
+    if not hasattr(module, method_name):
+        raise ValueError(f"{type(module)} does not have a method {method_name}")
+    method = getattr(module, method_name)
+
+    @functools.wraps(method)
+    def wrapped(self, *args, **kwargs):
+        args, kwargs = state._pre_forward(self, args, kwargs)
+        return state._post_forward(self, args, method(*args, **kwargs))
+
+    setattr(module, method_name, wrapped.__get__(module, type(module)))
+
