@@ -18,7 +18,7 @@ def ranks(launched):
 @pytest.mark.parametrize("section, key", [
     ("unused", "without_vs_torch"), ("unused", "with_vs_torch"),
     ("tokens", "mean_vs_torch"), ("tokens", "global_vs_torch"),
-    ("forward_method", "vs_torch"), ("forward_method", "vs_one")])
+    ("forward_method", "vs_torch"), ("forward_method", "vs_one"), ("tied", "vs_torch")])
 def test_ours_equals_torch_bit_for_bit(ranks, section, key):
     for r in ranks:
         assert r[section][key] is None, r[section][key]
@@ -48,3 +48,14 @@ def test_reset_iter_state_restores_the_clean_step(ranks):
         reset, clean, stale = (r["reset"][k] for k in ("reset", "clean", "no reset"))
         assert reset["ops"] == clean["ops"], (reset["ops"], clean["ops"])
         assert stale["ops"] != clean["ops"], stale["ops"]  # the reduce-scatters move later
+
+
+def test_tied_weight_split_over_groups_is_refused_and_one_group_trains_like_torch(ranks):
+    for r in ranks:
+        t = r["tied"]
+        assert t["refused"]["ours"]["where"] == "fully_shard(model)", t["refused"]
+        assert t["refused"]["torch"] is not None, t["refused"]  # torch refuses it lazily
+        assert "shared" in t["refused"]["ours"]["error"], t["refused"]
+        assert t["tied"] == {"ours": True, "torch": True, "one": True}, t["tied"]
+        assert t["vs_torch"] is None, t["vs_torch"]
+        assert t["vs_one"] < 1e-5, t["vs_one"]

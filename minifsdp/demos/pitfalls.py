@@ -23,6 +23,9 @@ Per rank it reports:
 - ``forward_method`` (``register_fsdp_forward_method``): a ``generate`` that calls the
   root's layers itself, on ours and torch's, without registering it (the error each raises)
   and with (the tokens, against torch's and against one process's).
+- ``tied``: an embedding and a head sharing one weight, the head sharded as a group of its
+  own (where ours and torch's refuse it, and with what), then both in the root's group: 3 SGD
+  steps against torch's and one process's, and whether the tie still holds.
 """
 
 from __future__ import annotations
@@ -324,5 +327,62 @@ def forward_method() -> dict:
                                       names=("fsdp2", "one process"), where=f"rank {rank}")}
 
 
+# ---- 5. a weight tied across two groups -------------------------------------------------------
+
+class Tied(nn.Module):
+    """A tiny language model whose head shares the embedding's weight (tied embeddings)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, 16)
+        self.body = nn.Linear(16, 16)
+        self.head = nn.Linear(16, VOCAB, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.body(self.emb(x))))
+
+
+def tied() -> dict:
+    """The head as a group of its own (the tie split over two groups): where ours and torch's
+    refuse it, and with what; then the fix, the tied modules in one group (the root's), 3 SGD
+    steps against torch's and one process's."""
+    out = {"refused": {}}
+    x, y = tokens_batch(0)
+    x, y = x.chunk(N)[rank], y.chunk(N)[rank].clamp(min=0)
+    for name, fs in IMPLS.items():
+        torch.manual_seed(0)
+        model, where = Tied().to(info.device), "fully_shard(model)"
+        try:
+            fs(model.head, mesh=mesh)
+            fs(model, mesh=mesh)
+            where = "the first forward and backward"
+            F.cross_entropy(model(x).flatten(0, 1), y.flatten()).backward()
+            out["refused"][name] = None
+        except ValueError as e:
+            out["refused"][name] = {"where": where, "error": str(e).splitlines()[0]}
+    params, tie = {}, {}
+    for name, fs in [*IMPLS.items(), ("one", None)]:
+        torch.manual_seed(0)
+        model = Tied().to(info.device)
+        if fs is not None:
+            fs(model.body, mesh=mesh)
+            fs(model, mesh=mesh)  # emb and head: one group, one parameter
+        opt = torch.optim.SGD(model.parameters(), lr=0.5)
+        for step in range(STEPS):
+            gx, gy = tokens_batch(step)
+            gy = gy.clamp(min=0)  # every token counts here
+            xs, ys = (gx, gy) if fs is None else (gx.chunk(N)[rank], gy.chunk(N)[rank])
+            F.cross_entropy(model(xs).flatten(0, 1), ys.flatten()).backward()
+            opt.step()
+            opt.zero_grad()
+        params[name] = full(model)
+        tie[name] = model.head.weight is model.emb.weight
+    return {**out, "tied": tie,
+            "vs_torch": divergence_line(params["ours"], params["torch"], names=("fsdp2", "torch"),
+                                        where=f"rank {rank}"),
+            "vs_one": max_abs_diff(params["ours"], params["one"])}
+
+
 finish({"rank": rank, "world_size": N, "unused": unused(), "tokens": tokens(), "reset": reset(),
-        "forward_method": forward_method()})
+        "forward_method": forward_method(), "tied": tied()})
