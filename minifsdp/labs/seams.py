@@ -32,7 +32,7 @@ from typing import Any
 
 from minifsdp.labs import heartbeat
 
-LAB_IDS = ("00", "02", "03", "04", "05", "06", "07", "08", "09", "10")
+LAB_IDS = ("00", "02", "03", "04", "05", "06", "07", "08", "09", "10", "11")
 REFERENCE = "reference"
 
 
