@@ -61,7 +61,8 @@ def test_matches_torch_fully_shard_calling_the_same_hooks(worker):
     for r in worker[2]:
         for mode in FP8_MODES:
             t = r["runs"][mode]["torch"]
-            assert all(t["params_bitwise"].values()) and t["losses_equal"], (r["rank"], mode)
+            for what in ("losses", "params"):  # minifsdp.parity's line, or None
+                assert t[what] is None, f"{mode}, {what}: {t[what]}"
             assert t["amax_calls"] == [17 * 3] * 2, t["amax_calls"]
 
 
