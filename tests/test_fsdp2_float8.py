@@ -73,7 +73,8 @@ def test_uneven_shards(worker):
     float sum (module docstring), pinned to a bound."""
     for r in worker[3]:
         assert len(r["float8_names"]) == 9
-        assert r["unsharded_bitwise"] and all(r["unsharded_bitwise"].values()), r["rank"]
+        assert r["unsharded_compared"] > 9 and r["unsharded_vs_sim"] is None, (
+            r["rank"], r["unsharded_vs_sim"])
         run = r["runs"]["fp8"]
         assert run["sim_losses_equal"][0], r["rank"]
         assert run["sim_max_abs_diff"] <= N3_PARAM_BOUND, run["sim_max_abs_diff"]

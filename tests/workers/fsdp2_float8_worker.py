@@ -127,8 +127,10 @@ else:  # one all-gather over uneven shards: the unsharded weights vs the simulat
     for unit in [m, *m.blocks]:
         unit.unshard()
     got = dict(m.named_parameters())
-    out["unsharded_bitwise"] = {
-        k: torch.equal(got[k], quantize_dequantize(v, torch.bfloat16) if k in float8
-                       else v.to(torch.bfloat16)) for k, v in masters.items()}
+    out["unsharded_vs_sim"] = divergence_line(  # None: every one bit for bit
+        {k: got[k] for k in masters},
+        {k: quantize_dequantize(v, torch.bfloat16) if k in float8 else v.to(torch.bfloat16)
+         for k, v in masters.items()}, names=("unsharded", "simulation"), where=f"rank {rank}")
+    out["unsharded_compared"] = len(masters)
     out["float8_names"] = sorted(float8)
 finish(out)
