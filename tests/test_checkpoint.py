@@ -19,7 +19,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from minifsdp import train
+from minifsdp import parity, train
 from minifsdp.checkpoint import (
     CheckpointError,
     export_full_state_dict,
@@ -260,7 +260,8 @@ def test_kill_and_resume_is_bitwise(jobs):
     assert partial["losses"] + resumed.ranks[0]["losses"] == ref
     a = torch.load(full.out_dir / "params.pt", weights_only=True)
     c = torch.load(resumed.out_dir / "params.pt", weights_only=True)
-    assert list(a) == list(c) and all(torch.equal(a[k], c[k]) for k in a)
+    assert list(a) == list(c)
+    parity.assert_bitwise(c, a, names=("resumed", "uninterrupted"))
     # The resumed run saves on: after steps 6 and 8 (its last), keep = 2.
     assert [s["step"] for s in resumed.ranks[0]["checkpoints"]] == [6, 8]
     assert sorted(p.name for p in ck("resumed").iterdir()) == [
@@ -273,7 +274,8 @@ def test_export_of_the_resumed_run_is_the_uninterrupted_runs_parameters(jobs, tm
     export_full_state_dict(ck("resumed"), out)  # latest: step 8
     a = torch.load(full.out_dir / "params.pt", weights_only=True)
     got = torch.load(out, weights_only=True)
-    assert list(got) == list(a) and all(torch.equal(got[k], a[k]) for k in a)
+    assert list(got) == list(a)
+    parity.assert_bitwise(got, a, names=("exported", "uninterrupted"))
 
 
 def test_kill_during_save_keeps_the_last_good_checkpoint(jobs, tmp_path):

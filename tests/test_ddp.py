@@ -37,6 +37,7 @@ import torch
 from jobs import Job, fixture_of
 from torch.nn.modules.utils import consume_prefix_in_state_dict_if_present
 
+from minifsdp import parity
 from minifsdp.ddp import FINAL_SPAN
 from minifsdp.launch import RunResult
 
@@ -119,10 +120,9 @@ def assert_same_training(run, params, ref_run, ref_params, atol, what):
     assert len(losses) == len(ref_losses) == STEPS
     assert list(params) == list(ref_params), what
     if atol is EXACT:
-        assert losses == ref_losses, what
-        for k in ref_params:
-            assert torch.equal(params[k], ref_params[k]), (
-                f"{what}: {k} differs by {float((params[k] - ref_params[k]).abs().max())}")
+        names = tuple(what.split(" vs "))  # "bucketed_ddp vs single"
+        parity.assert_bitwise(losses, ref_losses, names=names)
+        parity.assert_bitwise(params, ref_params, names=names)
     else:
         torch.testing.assert_close(losses, ref_losses, atol=LOSS_ATOL, rtol=0, msg=what)
         torch.testing.assert_close(params, ref_params, atol=atol, rtol=0, msg=what)

@@ -44,7 +44,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from jobs import Job
 
-from minifsdp import fsdp1
+from minifsdp import fsdp1, parity
 from minifsdp.fsdp1.flat_param import FlatParamHandle, flat_layout, registered_params
 from minifsdp.fsdp1.fully_sharded import _clean
 from minifsdp.fsdp1.wrap import (
@@ -501,8 +501,7 @@ def test_one_rank_trains_exactly_like_the_plain_model(one_rank, sharding, setup)
     assert got == want
     ref, sd = plain.state_dict(), wrapped.state_dict()
     assert list(sd) == list(ref)
-    for k in ref:
-        assert torch.equal(sd[k], ref[k]), k
+    parity.assert_bitwise(sd, ref, names=("fsdp1", "plain"))
     handles = [u._handle for u in wrapped._units if u._handle is not None]
     assert all(h.is_unsharded == (sharding == "no_shard" and not h.offload) for h in handles)
 

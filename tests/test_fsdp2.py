@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from jobs import Job, fixture_of
 from torch.distributed.tensor import DTensor, Shard
 
-from minifsdp import analytic
+from minifsdp import analytic, parity
 from minifsdp.fsdp2 import FSDPModule, ShardedState, chunk_dim0, fully_shard
 from minifsdp.launch import RunResult
 from minifsdp.memory import MemoryTracker
@@ -515,8 +515,9 @@ def test_backward_after_reshard_and_unshard_passes_the_version_check(mesh):
     model(x).square().sum().backward()
     ref(x).square().sum().backward()
     assert model.fsdp_state.group.sharded_state is ShardedState.SHARDED
-    for p, q in zip(model.parameters(), ref.parameters()):
-        assert torch.equal(p.grad.full_tensor(), q.grad)
+    parity.assert_bitwise({k: p.grad.full_tensor() for k, p in model.named_parameters()},
+                          {k: q.grad for k, q in ref.named_parameters()},
+                          names=("fully_shard", "autograd"))
 
 
 def test_frozen_first_layer_needs_the_input_barrier(mesh, monkeypatch):

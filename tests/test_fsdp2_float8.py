@@ -61,7 +61,8 @@ def test_matches_torch_fully_shard_calling_the_same_hooks(worker):
     for r in worker[2]:
         for mode in FP8_MODES:
             t = r["runs"][mode]["torch"]
-            assert all(t["params_bitwise"].values()) and t["losses_equal"], (r["rank"], mode)
+            for what in ("losses", "params"):  # minifsdp.parity's line, or None
+                assert t[what] is None, f"{mode}, {what}: {t[what]}"
             assert t["amax_calls"] == [17 * 3] * 2, t["amax_calls"]
 
 
@@ -72,7 +73,8 @@ def test_uneven_shards(worker):
     float sum (module docstring), pinned to a bound."""
     for r in worker[3]:
         assert len(r["float8_names"]) == 9
-        assert r["unsharded_bitwise"] and all(r["unsharded_bitwise"].values()), r["rank"]
+        assert r["unsharded_compared"] > 9 and r["unsharded_vs_sim"] is None, (
+            r["rank"], r["unsharded_vs_sim"])
         run = r["runs"]["fp8"]
         assert run["sim_losses_equal"][0], r["rank"]
         assert run["sim_max_abs_diff"] <= N3_PARAM_BOUND, run["sim_max_abs_diff"]

@@ -31,6 +31,7 @@ from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.fsdp._fully_shard._fsdp_collectives import _get_gradient_divide_factors
 from torch.distributed.tensor import DTensor
 
+from minifsdp import parity
 from minifsdp.fsdp2 import MixedPrecisionPolicy, fully_shard, mixed_precision
 from minifsdp.memory import MemoryTracker
 from minifsdp.numerics import adam_divergence_bound
@@ -66,7 +67,8 @@ def test_default_and_fp32_policies_are_bitwise_no_policy(worker):
     found = cases(worker, "_vs_none")
     assert len(found) == 2 * (2 * 2 + 3 * 1)  # 2 policies x (N=2: 2 ranks x 2 models, N=3)
     for n, rank, name, c in found:
-        assert c["bitwise"] and c["losses_equal"] and c["comm_equal"], (n, rank, name)
+        assert c["bitwise"] and c["losses_equal"] and c["comm_equal"], (n, rank, name,
+                                                                         c["divergence"])
 
 
 # ---- (b), (c): ours == torch under the same policy ------------------------------------------
@@ -278,8 +280,8 @@ def test_forward_casts_match_torch(mesh):
         out = model(torch.randn(5, 4, generator=torch.Generator().manual_seed(0)))
         assert out.dtype == fp32
         out.square().sum().backward()
-        grads.append([p.grad.full_tensor() for p in model.parameters()])
-    assert all(torch.equal(a, b) for a, b in zip(*grads))
+        grads.append({k: p.grad.full_tensor() for k, p in model.named_parameters()})
+    parity.assert_bitwise(*grads, names=("ours", "torch"))
 
 
 def test_memory_categories_with_bf16(mesh):

@@ -22,7 +22,7 @@ import torch
 import torch.nn as nn
 from jobs import Job, fixture_of
 
-from minifsdp import comm
+from minifsdp import comm, parity
 from minifsdp.fsdp2 import FSDPModule, ShardedState, UnshardHandle, fully_shard
 from minifsdp.models import GPT, GPTConfig
 from minifsdp.train import STRATEGIES, parse_args
@@ -224,9 +224,10 @@ def test_mistargeted_prefetches_are_discarded(mesh):
     assert spare._in_flight is None and spare.sharded_state is ShardedState.SHARDED
     assert gathers(log).count("spare") == 2 and all(r.t_end is not None for r in log.comms())
     ref(x).square().sum().backward()
-    for (k, p), q in zip(model.named_parameters(), ref.parameters()):
-        if not k.startswith("spare"):
-            assert torch.equal(p.grad.full_tensor(), q.grad.full_tensor()), k
+    parity.assert_bitwise({k: p.grad.full_tensor() for k, p in model.named_parameters()
+                           if not k.startswith("spare")},
+                          {k: q.grad.full_tensor() for k, q in ref.named_parameters()
+                           if not k.startswith("spare")}, names=("prefetched", "no prefetch"))
     model.spare.unshard(async_op=True)
     model.spare.reshard()
     assert spare._in_flight is None and spare.sharded_state is ShardedState.SHARDED

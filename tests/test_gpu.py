@@ -19,6 +19,8 @@ Python has no nbval (``benchmarks/gpu_check.sh`` does).
 import pytest
 import torch
 
+from minifsdp import parity
+
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: no GPU visible here"),
@@ -108,8 +110,8 @@ def test_nccl_parity_at_world_size_two(ours, theirs):
     for run in runs.values():
         assert run.backend.backend == "nccl", run.backend.line
     a, b = (runs[s] for s in (ours, theirs))
-    assert a.ranks[0]["losses"] == b.ranks[0]["losses"]
+    parity.assert_bitwise(a.ranks[0]["losses"], b.ranks[0]["losses"], names=(ours, theirs),
+                          where="NCCL, N = 2")
     pa, pb = (torch.load(r.out_dir / "params.pt") for r in (a, b))
     assert pa.keys() == pb.keys()
-    differ = {k: (pa[k] - pb[k]).abs().max().item() for k in pa if not torch.equal(pa[k], pb[k])}
-    assert not differ, f"{ours} vs {theirs} on NCCL at N = 2, not bitwise: {differ}"
+    parity.assert_bitwise(pa, pb, names=(ours, theirs), where="NCCL, N = 2")

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from minifsdp import parity
 from minifsdp.launch import WorkerError, torchrun, torchrun_multinode
 
 GLOO = {"MINIFSDP_BACKEND": "gloo"}
@@ -65,11 +66,12 @@ def test_two_nodes_train_as_one_standalone_job(jobs):
     assert [r["rank"] for r in multi.ranks] == [0, 1]
     assert all(r["world_size"] == 2 for r in multi.ranks)
     for r in range(2):
-        assert multi.ranks[r]["losses"] == single.ranks[r]["losses"]  # bitwise: floats, ==
+        parity.assert_bitwise(multi.ranks[r]["losses"], single.ranks[r]["losses"],
+                              names=("two nodes", "standalone"), where=f"rank {r}")
         assert [c["wire_bytes"] for c in multi.ranks[r]["comm"]] == \
             [c["wire_bytes"] for c in single.ranks[r]["comm"]]
     a, b = (torch.load(x.out_dir / "params.pt") for x in (multi, single))
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    parity.assert_bitwise(a, b, names=("two nodes", "standalone"))  # names, then bits
     # Every rank's log found under its *global* rank (c10d numbered the nodes): only rank 0
     # reports progress.
     assert sorted(multi.stdout) == [0, 1]

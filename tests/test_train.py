@@ -15,6 +15,7 @@ import pytest
 import torch
 from jobs import Job
 
+from minifsdp import parity
 from minifsdp.launch import RunResult, WorkerError
 
 PARALLEL = 2  # torchrun jobs at once; 1 runs them one after another
@@ -101,7 +102,7 @@ def test_losses_match_one_process_bit_for_bit(train_run, model, strategy):
     run, _ = train_run(model, strategy)
     ref, got = single.ranks[0]["losses"], run.ranks[0]["losses"]
     assert len(ref) == len(got) == STEPS
-    assert got == ref
+    parity.assert_bitwise(got, ref, names=(strategy, "single"))
 
 
 @pytest.mark.parametrize("model,strategy", VS_SINGLE)
@@ -109,9 +110,7 @@ def test_final_parameters_match_one_process_bit_for_bit(train_run, model, strate
     _, ref = train_run(model, "single")
     _, got = train_run(model, strategy)
     assert list(got) == list(ref)
-    for k in ref:
-        assert torch.equal(got[k], ref[k]), (
-            f"{strategy} vs single: {k} differs by {float((got[k] - ref[k]).abs().max())}")
+    parity.assert_bitwise(got, ref, names=(strategy, "single"))
 
 
 @reads("cnn", "single_full", "single")
@@ -153,11 +152,10 @@ def test_distributed_strategies_agree_bit_for_bit(train_run, model):
     ref_run, ref = train_run(model, "torch_ddp")
     for strategy in DISTRIBUTED[model][1:]:
         run, got = train_run(model, strategy)
-        assert run.ranks[0]["losses"] == ref_run.ranks[0]["losses"], strategy
+        parity.assert_bitwise(run.ranks[0]["losses"], ref_run.ranks[0]["losses"],
+                              names=(strategy, "torch_ddp"))
         assert list(got) == list(ref), strategy
-        for k in ref:
-            assert torch.equal(got[k], ref[k]), (
-                f"{strategy} vs torch_ddp: {k} differs by {float((got[k] - ref[k]).abs().max())}")
+        parity.assert_bitwise(got, ref, names=(strategy, "torch_ddp"))
 
 
 @pytest.mark.parametrize("model", [pytest.param(m, marks=reads(m, "single"))

@@ -8,7 +8,8 @@ A 2-block GPT (d_model 32, vocab 64: uneven rows at N = 3), AdamW, ``--steps`` s
 same batches in every variant. Per rank it reports:
 
 - ``parity``: each eager variant (SimpleFSDP resharding / keeping, ours) against torch's
-  ``fully_shard``, fp32 and bf16/fp32: losses and full parameters bit for bit, largest diffs;
+  ``fully_shard``, fp32 and bf16/fp32: losses and full parameters bit for bit, largest diffs,
+  and where they first differ (``same``);
 - ``at_rest``: bytes of the sharded parameters; ``eager_counts``: collectives per phase;
   ``hook_order``: our ``fully_shard``'s collectives of one step (from the comm log, by group);
 - with ``--compile``: SimpleFSDP compiled with each set of passes (``VARIANTS``): the forward
@@ -51,6 +52,7 @@ from minifsdp import serial_collectives as sc
 from minifsdp.dist import dist_setup, finish
 from minifsdp.memory import MemoryTracker
 from minifsdp.models import GPT, GPTConfig
+from minifsdp.parity import divergence_line, max_abs_diff
 from minifsdp.simple_fsdp import data_parallel, param_name
 
 CFG = GPTConfig(vocab_size=64, seq_len=16, n_layer=2, n_head=4, d_model=32)
@@ -129,12 +131,17 @@ def full(model) -> dict[str, torch.Tensor]:
     return {param_name(k): v.full_tensor() for k, v in model.named_parameters()}
 
 
-def same(a, b) -> dict:
-    """Two runs' ``(losses, full params)``: bitwise equal? and the largest differences."""
-    return {"losses": all(torch.equal(x, y) for x, y in zip(a[0], b[0])),
-            "params": all(torch.equal(a[1][k], b[1][k]) for k in b[1]),
-            "loss_diff": max(float((x - y).abs()) for x, y in zip(a[0], b[0])),
-            "param_diff": max(float((a[1][k] - b[1][k]).abs().max()) for k in b[1])}
+def same(a, b, names: tuple[str, str] = ("ours", "torch")) -> dict:
+    """Two runs' ``(losses, full params)``, ``a`` named ``names[0]``, ``b`` ``names[1]``: bitwise
+    equal (Note [parity] in minifsdp/parity.py)? the largest differences (float64), and
+    ``divergence``: the line saying where the losses first differ, else the parameters, or
+    None."""
+    losses, params = (divergence_line(x, y, names=names) for x, y in zip(a, b))
+    return {"losses": losses is None, "params": params is None,
+            "loss_diff": max_abs_diff(a[0], b[0], names=names),
+            "param_diff": max_abs_diff(a[1], b[1], names=names),
+            "divergence": f"losses, {losses}" if losses else
+            f"parameters, {params}" if params else None}
 
 
 def at_rest(model) -> int:
@@ -175,7 +182,8 @@ def eager(rank, n, steps) -> dict:
                 if kind == "ours":
                     out["hook_order"] = hook_order(model, rank, n)
         for kind in ("ours", "simple", "simple_keep"):
-            out["parity"][kind + ("_bf16" if mp else "")] = same(runs[kind], runs["torch"])
+            out["parity"][kind + ("_bf16" if mp else "")] = same(runs[kind], runs["torch"],
+                                                                      names=(kind, "torch"))
         if not mp:
             out["_eager"] = runs["simple"]
     return out
@@ -204,7 +212,8 @@ def compiled(rank, n, steps, reference) -> dict:
         t0 = time.perf_counter()
         losses, times, _ = train(run, rank, n, steps)
         out["compile_s"][name] = time.perf_counter() - t0 - sum(times[1:])
-        out["compiled"][name] = same((losses, full(model)), reference)
+        out["compiled"][name] = same((losses, full(model)), reference,
+                                       names=(name, "eager"))
         if kind == "simple":
             out["collectives"][passes] = {k: gp.collectives(g) for k, g in graphs[:2]}
             out["schedule"][passes] = gp.schedule(graphs[0][1])

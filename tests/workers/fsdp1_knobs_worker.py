@@ -2,10 +2,10 @@
 prefetch, no_sync, clip_grad_norm_), each configuration next to torch FSDP1
 (``use_orig_params=True``, ``device_id`` the CPU) on the same data, all in one launch.
 
-Per configuration and step it records, on this rank: the loss (global mean), whether each
-unit's local gradient shard and parameter shard equal torch's bit for bit, and the sequence of
-FSDP collectives with the start of each unit's forward computation, ours and torch's. Reports
-raw facts; the test asserts on them.
+Per configuration and step it records, on this rank: the loss (global mean), where the units'
+local gradient shards and parameter shards first differ from torch's (``minifsdp.parity``'s
+line, or None: ``vs_torch``), and the sequence of FSDP collectives with the start of each
+unit's forward computation, ours and torch's. Reports raw facts; the test asserts on them.
 
     python -m torch.distributed.run --standalone --nproc-per-node 3 \
         tests/workers/fsdp1_knobs_worker.py
@@ -26,6 +26,7 @@ from torch.distributed.fsdp import ShardingStrategy, wrap
 from minifsdp import comm, fsdp1, torch_order
 from minifsdp.dist import dist_setup, finish
 from minifsdp.memory import MemoryTracker
+from minifsdp.parity import divergence_line
 
 info = dist_setup()
 rank, N = info.rank, info.world_size
@@ -150,13 +151,35 @@ def trainable(h) -> torch.Tensor:
     return mask
 
 
-def same(a: torch.Tensor | None, b: torch.Tensor | None, mask: torch.Tensor) -> bool:
-    """Bitwise equal on the parameters' elements; our NO_SHARD flat tensor is padded to a
-    multiple of N, torch's not."""
-    if a is None or b is None:
-        return a is None and b is None
-    m = mask[:b.numel()]
-    return torch.equal(a[:b.numel()][m], b[m]) and not a[b.numel():].any()
+def vs_torch(got: list[dict], want: list[dict], masks: dict[str, torch.Tensor],
+             what: str) -> dict[str, str | None]:
+    """Our per-step ``{unit: flat tensor}`` (``what``: "gradient" or "parameter") against
+    torch's: ``"vs_torch"``, the first divergence on the elements ``masks`` keeps (Note [parity]
+    in minifsdp/parity.py), and ``"padding"``, the first step and unit where our flat tensor
+    holds a nonzero element beyond torch's numel, each a line or None. Our NO_SHARD flat tensor
+    is padded to a multiple of N; torch 2.14's is too (the lengths agree here). Should torch's
+    be shorter, ours is compared up to its length and the rest must be zeros."""
+    trimmed, padding = [], None
+    for step, ours in enumerate(got):
+        theirs = want[step] if step < len(want) else {}
+        cut = {}
+        for unit, a in ours.items():
+            b = theirs.get(unit)
+            if a is not None and b is not None and a.numel() > b.numel():
+                tail = a[b.numel():]
+                if padding is None and tail.any():
+                    i = b.numel() + int(tail.nonzero()[0, 0])
+                    padding = (f"step {step}, rank {rank}, {unit}: our {what}'s padding beyond "
+                               f"torch's {b.numel()} elements is not zero: [{i}] = "
+                               f"{float(a[i])!r} ({int((tail != 0).sum())} nonzero)")
+                a = a[:b.numel()]
+            cut[unit] = a
+        trimmed.append(cut)
+    # the trimmed length is the same at every step: torch's flat tensor's
+    cuts = {u: t.numel() for step in trimmed for u, t in step.items() if t is not None}
+    kept = {u: m[:cuts.get(u, m.numel())] for u, m in masks.items()}
+    return {"vs_torch": divergence_line(trimmed, want, where=f"rank {rank}", masks=kept),
+            "padding": padding}
 
 
 def wrap_pair(case: dict) -> tuple[nn.Module, nn.Module, nn.Module]:
@@ -274,10 +297,9 @@ def run_case(name: str, case: dict) -> dict:
                  case, ours=False)
     out = {
         "losses": got["losses"], "torch_losses": want["losses"],
-        "grads_bitwise": [all(same(g[n], w[n], grad_masks[n]) for n in w)
-                          for g, w in zip(got["grads"], want["grads"])],
-        "params_bitwise": [all(same(g[n], w[n], masks[n]) for n in w)
-                           for g, w in zip(got["params"], want["params"])],
+        # the first divergence from torch's on the parameters' (trainable) elements, or None
+        "grads": vs_torch(got["grads"], want["grads"], grad_masks, "gradient"),
+        "params": vs_torch(got["params"], want["params"], masks, "parameter"),
         "units": sorted(want["params"][0]), "our_units": sorted(got["params"][0]),
         "events": got["events"], "torch_events": want["events"],
         "norms": got["norms"], "torch_norms": want["norms"],

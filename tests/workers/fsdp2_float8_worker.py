@@ -22,6 +22,7 @@ from minifsdp import comm, fsdp2
 from minifsdp.demos import float8 as demo
 from minifsdp.dist import dist_setup, finish
 from minifsdp.fsdp2.float8 import Float8Weight, quantize_dequantize
+from minifsdp.parity import divergence_line
 from minifsdp.train import loss_fn
 
 info = dist_setup()
@@ -109,10 +110,9 @@ if N == 2:
         theirs = torch_run(mode)
         with comm.logging_comm() as log:
             ours = demo.train_fsdp(mode, STEPS, mesh, rank, track_step=None)
-        out["runs"][mode]["torch"] = {
-            "losses_equal": theirs["losses"] == ours["losses"],
-            "params_bitwise": {k: torch.equal(theirs["params"][k], ours["params"][k])
-                               for k in ours["params"]},
+        out["runs"][mode]["torch"] = {  # where ours first differs from torch's, or None
+            **{k: divergence_line(ours[k], theirs[k], where=f"rank {rank}")
+               for k in ("losses", "params")},
             "amax_calls": [theirs["amax_calls"], len(log.comms("all_reduce"))]}
 else:  # one all-gather over uneven shards: the unsharded weights vs the simulation's
     m = demo.model("fp8_bf16")
@@ -127,8 +127,10 @@ else:  # one all-gather over uneven shards: the unsharded weights vs the simulat
     for unit in [m, *m.blocks]:
         unit.unshard()
     got = dict(m.named_parameters())
-    out["unsharded_bitwise"] = {
-        k: torch.equal(got[k], quantize_dequantize(v, torch.bfloat16) if k in float8
-                       else v.to(torch.bfloat16)) for k, v in masters.items()}
+    out["unsharded_vs_sim"] = divergence_line(  # None: every one bit for bit
+        {k: got[k] for k in masters},
+        {k: quantize_dequantize(v, torch.bfloat16) if k in float8 else v.to(torch.bfloat16)
+         for k, v in masters.items()}, names=("unsharded", "simulation"), where=f"rank {rank}")
+    out["unsharded_compared"] = len(masters)
     out["float8_names"] = sorted(float8)
 finish(out)

@@ -72,7 +72,8 @@ def parity() -> dict:
             if counts and not mp:
                 out["counts"][kind] = counts
         for kind in runs:
-            out["eager"][f"{kind}{'_bf16' if mp else ''}"] = same(runs[kind], runs["torch"])
+            out["eager"][f"{kind}{'_bf16' if mp else ''}"] = same(
+                runs[kind], runs["torch"], names=(kind, "torch"))
         if not mp:
             eager = runs["simple"]
     if N == 2:  # DDP mode: stored Replicate, the gradient's Partial("avg") -> Replicate
@@ -80,7 +81,8 @@ def parity() -> dict:
         ref = train(ddp)[0], {k.removeprefix("module."): v for k, v in ddp.named_parameters()}
         model = data_parallel(gpt(), mesh, "replicate")
         losses, _, counts = train(model, count=True)
-        out["replicate"] = {**same((losses, full(model)), ref), "counts": counts}
+        out["replicate"] = {**same((losses, full(model)), ref, names=("replicate", "DDP")),
+                            "counts": counts}
     # Compiling costs most of this job: "none" and "both" are compiled and trained (at N = 3
     # only "both"); each single pass is applied to copies of the "none" graphs, for the lists.
     # "keep" (N = 2): no passes, reshard_after_forward=False, for the compiled peaks.
@@ -90,7 +92,7 @@ def parity() -> dict:
         compiled = torch.compile(model, backend=gp.backend(passes, graphs), fullgraph=True)
         t0 = time.perf_counter()
         losses, _, _ = train(compiled)
-        out["compiled"][name] = {**same((losses, full(model)), eager),
+        out["compiled"][name] = {**same((losses, full(model)), eager, names=(name, "eager")),
                                  "seconds": time.perf_counter() - t0,
                                  **logged_step(compiled, model)}
         if name == "keep":
