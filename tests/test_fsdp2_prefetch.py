@@ -112,7 +112,8 @@ def test_prefetching_changes_no_bit(worker):
             assert len(losses) == 3
             for config, run in r["runs"].items():
                 assert run["losses"] == losses, (n, config)
-                assert run["bitwise_torch"] and run["max_diff_torch"] == 0.0, (n, config)
+                assert run["vs_torch"] is None and run["max_diff_torch"] == 0.0, (
+                    n, config, run["vs_torch"])
 
 
 # ---- memory ------------------------------------------------------------------------------------

@@ -22,7 +22,7 @@ from torch.distributed.fsdp import ShardingStrategy, wrap
 from minifsdp import comm, fsdp1
 from minifsdp.dist import dist_setup, finish
 from minifsdp.models import GPT, GPTConfig, MnistCNN
-from minifsdp.parity import max_abs_diff
+from minifsdp.parity import divergence_line, max_abs_diff
 from minifsdp.train import loss_fn, unit_classes
 
 info = dist_setup()
@@ -135,9 +135,11 @@ def run_case(model_name: str, strategy: str, wrap_name: str, min_params: int,
         "names": list(got) == list(theirs_sd) == list(want),
         "offloaded": all(p.device.type == "cpu" for p in ours.parameters()) if offload else None,
         "losses": losses, "torch_losses": torch_losses, "ref_losses": ref_losses,
-        "bitwise_torch": all(torch.equal(got[k], theirs_sd[k]) for k in want),
+        "vs_torch": divergence_line(got, theirs_sd, names=("fsdp1", "torch FSDP1"),
+                                    where=f"rank {rank}"),
         "diff_torch": max_abs_diff(got, theirs_sd),
-        "bitwise_ref": all(torch.equal(got[k], want[k]) for k in want),
+        "vs_ref": divergence_line(got, want, names=("fsdp1", "one process"),
+                                  where=f"rank {rank}"),
         "diff_ref": max_abs_diff(got, want), "torch_diff_ref": max_abs_diff(theirs_sd, want),
         "moved": min(float((got[k] - v).abs().max()) for k, v in base.state_dict().items()),
         "calls": calls,

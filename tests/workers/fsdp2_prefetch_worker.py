@@ -30,6 +30,7 @@ from minifsdp.dist import dist_setup, finish
 from minifsdp.fsdp2.fsdp_param_group import FSDPParamGroup, ShardedState
 from minifsdp.memory import MemoryTracker
 from minifsdp.models import GPT, GPTConfig
+from minifsdp.parity import divergence_line, max_abs_diff
 from minifsdp.train import set_prefetch
 
 info = dist_setup()
@@ -108,8 +109,8 @@ def order_and_parity() -> dict:
     out = {}
     for name, run in runs.items():
         params = run.pop("params")
-        run["bitwise_torch"] = all(torch.equal(params[k], ref[k]) for k in ref)
-        run["max_diff_torch"] = max(float((params[k] - ref[k]).abs().max()) for k in ref)
+        run["vs_torch"] = divergence_line(params, ref, names=(name, "torch"))
+        run["max_diff_torch"] = max_abs_diff(params, ref)
         out[name] = run
     return out
 
