@@ -643,3 +643,36 @@ def test_worker_reset_iter_state_after_an_exception_is_torchs(worker):
             assert case["losses_equal"]
             assert case["ops"]["ours"] == case["ops"]["clean"] != [], case["ops"]
             assert all(m and "root" in m for m in case["non_root"]), case["non_root"]
+
+
+def test_worker_backward_options_are_torchs(worker):
+    """``set_is_last_backward(m == last)`` over 3 micro-batches a step (Note [not the last
+    backward]) and ``set_unshard_in_backward(False)`` on an embedding whose input needs no
+    gradient (Note [no all-gather in backward]): ours trains as torch's bit for bit, and as
+    without the option (neither changes a number), at N = 2 and 3. The collectives show the
+    option acting as torch's: with ``is_last_backward`` the same sequence as torch's (the
+    first group's backward prefetches the previous forward's last group, whose next forward
+    uses it), not the default's; with ``unshard_in_backward`` the same all-gathers as
+    torch's, in order, one fewer a step than the default (the embedding's), and the same
+    reduce-scatters (ours reduce-scatters the root's group when its last gradient is in,
+    torch's at the end of backward: Note [when is a group's backward over?]). A non-bool is
+    refused, naming the argument."""
+    for ranks in worker.values():
+        for r in ranks:
+            cases = r["backward_options"]
+            for name in ("is_last_backward", "unshard_in_backward"):
+                case = cases[name]
+                assert case["vs_torch"] is None and case["vs_default"] is None, (name, case)
+                assert case["losses_equal"], name
+            ops = cases["is_last_backward"]["ops"]
+            assert ops["ours"] == ops["torch"] != ops["ours_default"], ops
+            ops = cases["unshard_in_backward"]["ops"]
+            gathers = {k: [o for o in v if o.startswith("all_gather")] for k, v in ops.items()}
+            scatters = {k: sorted(o for o in v if o.startswith("reduce_scatter"))
+                        for k, v in ops.items()}
+            assert gathers["ours"] == gathers["torch"], gathers
+            assert len(gathers["ours"]) == len(gathers["ours_default"]) - 3, gathers  # 3 steps
+            assert scatters["ours"] == scatters["torch"] == scatters["ours_default"], scatters
+            for method, arg in (("set_is_last_backward", "is_last_backward"),
+                                ("set_unshard_in_backward", "unshard_in_backward")):
+                assert f"{arg} should be a bool" in cases["errors"][method], cases["errors"]

@@ -40,8 +40,9 @@ Usage::
 
 Notes to cite: [the tensors of one parameter], [dim-0 chunks], [padding], [who owns the shard's
 storage] (fsdp_param.py); [copy-in and copy-out], [freeing with resize_], [version counter],
-[FSDP2 memory categories], [accumulating without communication], [unused parameters in a group]
-(fsdp_param_group.py); [when is a group's backward over?] (fsdp_state.py); [bottom-up], [the
+[FSDP2 memory categories], [accumulating without communication], [unused parameters in a group],
+[no all-gather in backward] (fsdp_param_group.py); [when is a group's backward over?], [not the
+last backward] (fsdp_state.py); [bottom-up], [the
 class swap], [state dicts], [meta-device init] (api.py); [issue and wait], [which group is
 next], [same order on every rank], [mistargeted prefetches], [prefetch memory], [prefetch on
 GPUs] (prefetch.py); [mixed precision], [gloo dtypes], [divide factor] (mixed_precision.py),

@@ -129,6 +129,35 @@ class FSDPModule:
         """
         self.fsdp_state.reset_iter_state()
 
+    def set_is_last_backward(self, is_last_backward: bool) -> None:
+        """``False``: the next backward is not the step's last (torch's, for micro-batches):
+        its end keeps the backward-prefetch state, including all-gathers still in flight, for
+        the next one (Note [not the last backward] in ``fsdp_state.py``). Set it on the root;
+        it holds for every module under it until changed. The step's last backward must run
+        with ``True`` (the default). minifsdp refuses a non-bool (torch takes its truth)::
+
+            for m, (x, y) in enumerate(micro_batches):
+                model.set_is_last_backward(m == len(micro_batches) - 1)
+                (loss_fn(model(x), y) / len(micro_batches)).backward()
+            opt.step()
+        """
+        _check_bool("set_is_last_backward", "is_last_backward", is_last_backward)
+        self.fsdp_state.ctx.is_last_backward = is_last_backward
+
+    def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
+        """``False``: this module's group is not all-gathered in backward (nor prefetched
+        there), for a module whose backward does not read its parameters, e.g. an embedding
+        whose input needs no gradient (Note [no all-gather in backward] in
+        ``fsdp_param_group.py``). This module's group only, as torch's. minifsdp refuses a
+        non-bool (torch takes its truth)::
+
+            fully_shard(model.tok_emb, mesh=mesh)       # resharded after forward
+            model.tok_emb.set_unshard_in_backward(False)
+        """
+        _check_bool("set_unshard_in_backward", "unshard_in_backward", unshard_in_backward)
+        for group in self._groups(recurse=False):
+            group.unshard_in_backward = unshard_in_backward
+
     def set_requires_gradient_sync(self, requires_gradient_sync: bool, *,
                                    recurse: bool = True) -> None:
         """``False``: backward keeps full unsharded gradients and skips the reduce-scatter,
@@ -269,6 +298,12 @@ class FSDPModule:
         modules = self.modules() if recurse else [self]
         states = [m.fsdp_state for m in modules if isinstance(m, FSDPModule)]
         return [s.group for s in states if s.group is not None]
+
+
+def _check_bool(method: str, name: str, value: object) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"{method}: {name} should be a bool, got {type(value).__name__} "
+                        f"{value!r}")
 
 
 def _states_of(modules: list[FSDPModule], method: str) -> list[FSDPState]:

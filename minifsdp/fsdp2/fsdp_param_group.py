@@ -86,6 +86,17 @@ different sizes in one collective, which NCCL can hang on and gloo refuses. As t
 ``set_reduce_scatter_unused_params(True)`` (DDP's ``find_unused_parameters``), every
 parameter that requires a gradient then goes in, a zero gradient where it got none, so each
 rank sends the same bytes (and the unused ones' gradients become the others' average).
+
+Note [no all-gather in backward]: some modules' backward never reads their parameters: an
+embedding's weight gradient scatters the output gradient into the rows of the looked-up
+indices, and if the input needs no gradient (token ids never do) nothing else is computed.
+``set_unshard_in_backward(False)`` (torch's) skips the group's backward all-gather, and any
+backward prefetch of it: the module keeps its shards registered through its backward, and
+autograd accumulates the gradient into the unsharded parameter it saved in forward -- whose
+storage is freed, which is fine only because nothing reads it (the user's promise, as in
+torch: FSDP cannot check it). The reduce-scatter is as usual. One all-gather less per step
+for a group resharded after forward; a group kept unsharded (the root by default) has none
+to skip.
 """
 
 from __future__ import annotations
@@ -178,6 +189,7 @@ class FSDPParamGroup:
         self.force_sum_reduction_for_comms = False
         self.reduce_scatter_unused_params = False
         self.all_reduce_hook = None  # set_all_reduce_hook: called on the reduced slot
+        self.unshard_in_backward = True  # Note [no all-gather in backward]
 
     def set_reshard_after_forward(self, reshard_after_forward: bool | int | None) -> None:
         """A bool, ``None`` (decided at lazy init) or an int k (Note [reshard to k ranks])."""
@@ -219,13 +231,18 @@ class FSDPParamGroup:
     # get it without a line in ``__init__``.
     _in_flight: tuple[object, torch.Tensor, int] | None = None  # ..., ranks gathered over
 
-    def unshard(self, async_op: bool = False) -> None:
+    def unshard(self, async_op: bool = False, *, backward_prefetch: bool = False) -> None:
         """All-gather the group: afterwards the modules hold the full, plain parameters. With
         ``async_op=True`` only *issue* it (copy-in, async collective); ``wait_for_unshard()``
         finishes it (torch's group-level ``unshard`` always leaves that to it). A no-op while
         unsharded or in flight, so a prefetch and the group's own hook can both call it (Note
-        [issue and wait] in ``prefetch.py``)."""
+        [issue and wait] in ``prefetch.py``). Neither in this group's backward nor as a
+        backward prefetch (``backward_prefetch``) after ``set_unshard_in_backward(False)``
+        (Note [no all-gather in backward])."""
         if self.sharded_state is ShardedState.UNSHARDED or self._in_flight is not None:
+            return
+        if not self.unshard_in_backward and (
+                backward_prefetch or self.training_state is TrainingState.PRE_BACKWARD):
             return
         if self.sharded_state is ShardedState.SHARDED_POST_FORWARD:  # over k ranks
             my_slot, gathered = self._post_forward_copy_in()

@@ -61,6 +61,22 @@ are fine (their ``__call__`` runs their hooks); the module's own group is not.
 ``register_fsdp_forward_method(module, "generate")`` wraps the method in the same pre- and
 post-forward hooks (torch's function of the same name, in ``_fully_shard.py``; chapter 11).
 
+Note [not the last backward]: ``set_is_last_backward(False)`` (torch's, for micro-batches)
+says that another backward follows before the optimizer step. The end-of-backward callback
+then still runs the post-backward of every group whose backward did not end on its own (its
+reduce-scatter is due now), but skips torch's ``finalize_backward``: it neither waits for
+nor discards backward prefetches still in flight, nor forgets the post-forward order (and
+each group's places in it) that the implicit backward prefetch follows. So the orders of
+the step's forwards pile up: in the next backward, the group that ran first in forward
+(place 0 of its own forward, but now preceded by the last forward's groups) prefetches the
+last group of the *previous* forward -- an all-gather torch issues too, whose result that
+group's next pre-forward then uses instead of gathering again. With our blocking
+reduce-scatter there is nothing else to wait for. The step's last backward must run with
+``True`` (the default), which drops what is in flight and clears the orders. Both keep the
+flag in the root's context, shared by every module under it after the first forward: set
+it on the root (before the first forward, a non-root's setting is lost at lazy init, as in
+torch).
+
 Not handled (torch does): moving the inputs to the device, and several roots sharing one
 backward.
 """
@@ -87,6 +103,7 @@ class _RootContext:
 
     states: list[FSDPState] = field(default_factory=list)  # named_modules order, root first
     callback_queued: bool = False
+    is_last_backward: bool = True  # set_is_last_backward: Note [not the last backward]
     # prefetching (prefetch.py, Note [which group is next]): this forward's pre-forward order
     # of groups, the last forward's, whether this one has matched it so far, and the
     # post-forward order that backward reverses
@@ -242,13 +259,15 @@ class FSDPState:
 
     def _end_of_backward(self) -> None:
         """Finalize every group under the root, in the same order on every rank (their
-        reduce-scatters are collectives), and reset the per-step state."""
+        reduce-scatters are collectives), and reset the per-step state. Not the last backward:
+        keep this backward's prefetch state (Note [not the last backward])."""
         for state in self.ctx.states:
             if state.group is not None:
                 state.group.finalize_backward()
             state.training_state = TrainingState.IDLE
             state._pending, state._params_counted = 0, False
-        prefetch.end_backward(self.ctx)
+        if self.ctx.is_last_backward:
+            prefetch.end_backward(self.ctx)
         self.ctx.callback_queued = False
 
     def reset_iter_state(self) -> None:

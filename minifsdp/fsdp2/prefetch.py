@@ -118,12 +118,13 @@ class UnshardHandle:
         self._groups = []  # keep no reference (torch does the same)
 
 
-def issue(groups: Iterable[FSDPParamGroup | None]) -> None:
+def issue(groups: Iterable[FSDPParamGroup | None], backward: bool = False) -> None:
     """Issue each group's all-gather, async, in the given order (Note [same order on every
-    rank]); no-ops for groups unsharded or in flight already."""
+    rank]); no-ops for groups unsharded or in flight already, and in ``backward`` for those
+    that do not unshard there (Note [no all-gather in backward] in fsdp_param_group.py)."""
     for group in groups:
         if group is not None:
-            group.unshard(async_op=True)
+            group.unshard(async_op=True, backward_prefetch=backward)
 
 
 # ---- the hooks' share (called by FSDPState) --------------------------------------------------
@@ -169,9 +170,9 @@ def after_pre_backward(state: FSDPState) -> None:
     indices = state.post_forward_indices
     i = indices.pop() if indices else None
     if state.backward_prefetch:
-        issue(s.group for s in state.backward_prefetch)
+        issue((s.group for s in state.backward_prefetch), backward=True)
     elif state.implicit_backward_prefetch and i:  # i = 0: the first group, none before it
-        issue([state.ctx.post_forward_order[i - 1]])
+        issue([state.ctx.post_forward_order[i - 1]], backward=True)
 
 
 def end_backward(ctx: _RootContext) -> None:

@@ -12,7 +12,10 @@ parameter that is never used (its group's post-backward runs in the end-of-backw
 callback). Further cases: meta-device init of the tied-embedding GPT, state dicts, errors.
 """
 
+import contextlib
+
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
@@ -433,6 +436,133 @@ def reset_after_exception() -> dict:
             "non_root": [out[k]["non_root"] for k in ("ours", "torch")]}
 
 
+@contextlib.contextmanager
+def recording_collectives():
+    """Record ``(op, input numel)`` of every all-gather and reduce-scatter, ours (through
+    ``minifsdp.comm``) and torch's ``fully_shard`` (``dist.*_single``) alike, in call order:
+    the numel tells the groups apart."""
+    names = {"all_gather_single": "all_gather", "reduce_scatter_single": "reduce_scatter",
+             "_all_gather_single": "all_gather", "_reduce_scatter_single": "reduce_scatter"}
+    ops, saved = [], []
+    for module in (dist, comm):
+        for attr, op in names.items():
+            if hasattr(module, attr):
+                orig = getattr(module, attr)
+
+                def record(*a, _orig=orig, _op=op, **k):  # torch passes keywords
+                    inp = a[1] if len(a) > 1 else k.get("input", k.get("input_tensor"))
+                    ops.append(f"{_op} {inp.numel()}")
+                    return _orig(*a, **k)
+
+                saved.append((module, attr, orig))
+                setattr(module, attr, record)
+    try:
+        yield ops
+    finally:
+        for module, attr, orig in saved:
+            setattr(module, attr, orig)
+
+
+def option_case(make, shard_fn, configure, micro: int = 1) -> dict:
+    """Ours and torch's ``fully_shard`` with ``configure(model, micro_index, micro)`` before
+    each micro-batch's forward, and ours without it (``configure=None``): the divergence
+    from torch (None: bitwise), whether the losses are equal, and each one's collectives
+    (``recording_collectives``) over the whole training."""
+    out = {}
+    for name, fs, conf in (("ours", fsdp2.fully_shard, configure),
+                           ("torch", torch_fully_shard, configure),
+                           ("ours_default", fsdp2.fully_shard, None)):
+        model = shard_fn(make(), fs)
+        opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+        losses = []
+        with recording_collectives() as ops:
+            for step in range(STEPS):
+                for m in range(micro):
+                    x, y = batch(step, m)
+                    if conf is not None:
+                        conf(model, m, micro)
+                    loss = F.cross_entropy(model(x.chunk(N)[rank]), y.chunk(N)[rank])
+                    (loss / micro).backward()
+                    losses.append(loss.item())
+                opt.step()
+                opt.zero_grad()
+        out[name] = {"losses": losses, "params": full_params(model), "ops": list(ops)}
+    ours, theirs = out["ours"], out["torch"]
+    return {"vs_torch": divergence_line(ours["params"], theirs["params"],
+                                        names=("fsdp2", "torch"), where=AT),
+            "vs_default": divergence_line(ours["params"], out["ours_default"]["params"],
+                                          names=("fsdp2", "fsdp2 default"), where=AT),
+            "losses_equal": ours["losses"] == theirs["losses"],
+            "ops": {k: out[k]["ops"] for k in out}}
+
+
+class Chain(nn.Module):
+    """``(B, 8) -> (B, 3)``: three ``Linear`` units under a root with no parameters of its own,
+    so the last group of a forward is a block that its backward reshards."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(),
+                                    nn.Linear(16, 3))
+
+    def forward(self, x):
+        return self.layers(x)
+
+
+class Embedder(nn.Module):
+    """``(B, 8) -> (B, 3)`` through an embedding of the first feature's bucket: the input (token
+    ids) needs no gradient, so the embedding's backward does not read its weight."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.mid, self.head = nn.Embedding(10, 16), nn.Linear(16, 16), nn.Linear(16, 3)
+
+    def forward(self, x):
+        ids = (x[:, 0] * 3).floor().clamp(-5, 4).long() + 5
+        return self.head(torch.tanh(self.mid(self.emb(ids))))
+
+
+def seeded(cls):
+    def make():
+        torch.manual_seed(0)
+        return cls().to(info.device)
+    return make
+
+
+def shard_chain(model, fs):
+    for i in (0, 2, 4):
+        fs(model.layers[i], mesh=mesh)
+    return fs(model, mesh=mesh)
+
+
+def shard_embedder(model, fs):
+    fs(model.emb, mesh=mesh)
+    fs(model.mid, mesh=mesh)
+    return fs(model, mesh=mesh)
+
+
+def backward_options() -> dict:
+    """``set_is_last_backward`` (Note [not the last backward]) over 3 micro-batches a step
+    and ``set_unshard_in_backward(False)`` on the embedding (Note [no all-gather in
+    backward]), ours against torch's; and a non-bool refused by ours."""
+    errors = {}
+    model = shard_embedder(seeded(Embedder)(), fsdp2.fully_shard)
+    for method in ("set_is_last_backward", "set_unshard_in_backward"):
+        try:
+            getattr(model, method)(1)
+        except TypeError as e:
+            errors[method] = str(e)
+    return {
+        "is_last_backward": option_case(
+            seeded(Chain), shard_chain,
+            lambda m, i, micro: m.set_is_last_backward(i == micro - 1), micro=3),
+        "unshard_in_backward": option_case(
+            seeded(Embedder), shard_embedder,
+            lambda m, i, micro: m.emb.set_unshard_in_backward(False)),
+        "errors": errors,
+    }
+
+
 def errors() -> dict:
     out = {}
     model = shard(net(), fsdp2.fully_shard)
@@ -469,5 +599,6 @@ out = {
     "reduction_options": reduction_options(),
     "ignored_params": ignored_params(),
     "reset_after_exception": reset_after_exception(),
+    "backward_options": backward_options(),
 }
 finish(out)
