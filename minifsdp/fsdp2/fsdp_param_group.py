@@ -231,18 +231,13 @@ class FSDPParamGroup:
     # get it without a line in ``__init__``.
     _in_flight: tuple[object, torch.Tensor, int] | None = None  # ..., ranks gathered over
 
-    def unshard(self, async_op: bool = False, *, backward_prefetch: bool = False) -> None:
+    def unshard(self, async_op: bool = False) -> None:
         """All-gather the group: afterwards the modules hold the full, plain parameters. With
         ``async_op=True`` only *issue* it (copy-in, async collective); ``wait_for_unshard()``
         finishes it (torch's group-level ``unshard`` always leaves that to it). A no-op while
         unsharded or in flight, so a prefetch and the group's own hook can both call it (Note
-        [issue and wait] in ``prefetch.py``). Neither in this group's backward nor as a
-        backward prefetch (``backward_prefetch``) after ``set_unshard_in_backward(False)``
-        (Note [no all-gather in backward])."""
+        [issue and wait] in ``prefetch.py``)."""
         if self.sharded_state is ShardedState.UNSHARDED or self._in_flight is not None:
-            return
-        if not self.unshard_in_backward and (
-                backward_prefetch or self.training_state is TrainingState.PRE_BACKWARD):
             return
         if self.sharded_state is ShardedState.SHARDED_POST_FORWARD:  # over k ranks
             my_slot, gathered = self._post_forward_copy_in()
@@ -375,7 +370,8 @@ class FSDPParamGroup:
     def pre_backward(self) -> None:
         if self.training_state is not TrainingState.PRE_BACKWARD:
             self.training_state = TrainingState.PRE_BACKWARD
-            self.unshard()  # a no-op unless resharded after forward (or prefetched)
+            if self.unshard_in_backward:  # Note [no all-gather in backward]
+                self.unshard()  # a no-op unless resharded after forward (or prefetched)
             self.wait_for_unshard()
 
     @torch.no_grad()

@@ -118,13 +118,14 @@ class UnshardHandle:
         self._groups = []  # keep no reference (torch does the same)
 
 
-def issue(groups: Iterable[FSDPParamGroup | None], backward: bool = False) -> None:
+def issue(groups: Iterable[FSDPParamGroup | None]) -> None:
     """Issue each group's all-gather, async, in the given order (Note [same order on every
-    rank]); no-ops for groups unsharded or in flight already, and in ``backward`` for those
-    that do not unshard there (Note [no all-gather in backward] in fsdp_param_group.py)."""
+    rank]); no-ops for groups unsharded or in flight already, and, inside a backward, for
+    those that do not unshard there (Note [no all-gather in backward] in fsdp_param_group.py)."""
+    in_backward = torch._C._current_graph_task_id() != -1  # autograd's engine runs on us
     for group in groups:
-        if group is not None:
-            group.unshard(async_op=True, backward_prefetch=backward)
+        if group is not None and (group.unshard_in_backward or not in_backward):
+            group.unshard(async_op=True)
 
 
 # ---- the hooks' share (called by FSDPState) --------------------------------------------------
@@ -170,9 +171,9 @@ def after_pre_backward(state: FSDPState) -> None:
     indices = state.post_forward_indices
     i = indices.pop() if indices else None
     if state.backward_prefetch:
-        issue((s.group for s in state.backward_prefetch), backward=True)
+        issue(s.group for s in state.backward_prefetch)
     elif state.implicit_backward_prefetch and i:  # i = 0: the first group, none before it
-        issue([state.ctx.post_forward_order[i - 1]], backward=True)
+        issue([state.ctx.post_forward_order[i - 1]])
 
 
 def end_backward(ctx: _RootContext) -> None:
