@@ -122,7 +122,8 @@ def issue(groups: Iterable[FSDPParamGroup | None]) -> None:
     """Issue each group's all-gather, async, in the given order (Note [same order on every
     rank]); no-ops for groups unsharded or in flight already, and, inside a backward, for
     those that do not unshard there (Note [no all-gather in backward] in fsdp_param_group.py)."""
-    in_backward = torch._C._current_graph_task_id() != -1  # autograd's engine runs on us
+    # fsdp_state._in_backward's test, inline: fsdp_state imports this module, not the reverse
+    in_backward = torch._C._current_graph_task_id() != -1
     for group in groups:
         if group is not None and (group.unshard_in_backward or not in_backward):
             group.unshard(async_op=True)
