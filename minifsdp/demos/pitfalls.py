@@ -30,6 +30,8 @@ Per rank it reports:
 
 from __future__ import annotations
 
+import sys
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -384,5 +386,17 @@ def tied() -> dict:
             "vs_one": max_abs_diff(params["ours"], params["one"])}
 
 
-finish({"rank": rank, "world_size": N, "unused": unused(), "tokens": tokens(), "reset": reset(),
-        "forward_method": forward_method(), "tied": tied()})
+def mismatched_reduce_scatter() -> None:
+    """``--mismatch``: what Section 1's experts of different sizes would do -- one reduce-scatter
+    whose input is 8 elements on rank 0 and 12 on the others. No backend supports it; this job
+    is expected to fail (the chapter reads how)."""
+    n = 8 if rank == 0 else 12
+    comm.reduce_scatter_tensor(torch.empty(n // N), torch.ones(n))
+
+
+if "--mismatch" in sys.argv:
+    mismatched_reduce_scatter()
+    finish({"rank": rank, "returned": True})  # reached only if the backend let it through
+else:
+    finish({"rank": rank, "world_size": N, "unused": unused(), "tokens": tokens(),
+            "reset": reset(), "forward_method": forward_method(), "tied": tied()})
