@@ -19,14 +19,27 @@ CASE = ("the fixed script, 3 SGD steps and a generate(), against the reference w
 
 def script(fully_shard, register, mesh, rank, world_size, *, shard_head=False,
            unused_on=("experts",), global_count=True, divide_factor=True, force_sum=True,
-           register_on="root"):
+           register_on="root", experts_apart=False, untie=False, mean_rescaled=False):
     model = LabLM()
+    if untie:
+        model.head.weight = torch.nn.Parameter(model.emb.weight.detach().clone())
+        shard_head = True
     fully_shard(model.body, mesh=mesh)
-    fully_shard(model.experts, mesh=mesh)
+    if experts_apart:
+        for e in model.experts.e:
+            fully_shard(e, mesh=mesh)
+    else:
+        fully_shard(model.experts, mesh=mesh)
     if shard_head:
         fully_shard(model.head, mesh=mesh)
     fully_shard(model, mesh=mesh)
     mods = {"body": model.body, "experts": model.experts, "root": model}
+    if experts_apart:
+        mods.update({"e0": model.experts.e[0], "e1": model.experts.e[1]})
+        unused_on = ("e0", "e1")
+        del mods["experts"]
+    if shard_head:
+        mods["head"] = model.head
     for name in unused_on:
         mods[name].set_reduce_scatter_unused_params(True)
     for m in mods.values():
@@ -43,7 +56,10 @@ def script(fully_shard, register, mesh, rank, world_size, *, shard_head=False,
         count = (y != -100).sum()
         x, y = x.chunk(world_size)[rank], y.chunk(world_size)[rank]
         logits = model(x, rank).flatten(0, 1)
-        if global_count:
+        if mean_rescaled:  # the same number in exact arithmetic, rounded in another order
+            loss = F.cross_entropy(logits, y.flatten(), ignore_index=-100) * (
+                (y != -100).sum() / count)
+        elif global_count:
             loss = F.cross_entropy(logits, y.flatten(), ignore_index=-100, reduction="sum") / count
         else:
             loss = F.cross_entropy(logits, y.flatten(), ignore_index=-100)
@@ -127,8 +143,38 @@ def registers_generate_on_the_body(fully_shard, register_fsdp_forward_method, me
                   register_on="body")
 
 
+@replaces("pitfalls.train")
+def each_expert_its_own_group(fully_shard, register_fsdp_forward_method, mesh, rank,
+                              world_size):
+    """Every fix, but each expert sharded as a group of its own, both with the unused-parameters
+    flag: rank 0 runs expert 0's pre-forward and rank 1 expert 1's, so one all-gather of equal
+    size gathers shards of two different experts, and the forward already computes with a mix
+    (Section 1: the ranks' collectives must carry the same parameters)."""
+    return script(fully_shard, register_fsdp_forward_method, mesh, rank, world_size,
+                  experts_apart=True)
+
+
+@replaces("pitfalls.train")
+def unties_the_head(fully_shard, register_fsdp_forward_method, mesh, rank, world_size):
+    """Avoids the tied-weight refusal by giving the head a copy of the embedding's weight and
+    sharding it alone: it runs, but the model now has two parameters that learn apart
+    (Section 5)."""
+    return script(fully_shard, register_fsdp_forward_method, mesh, rank, world_size,
+                  untie=True)
+
+
+@replaces("pitfalls.train")
+def rescales_each_ranks_mean(fully_shard, register_fsdp_forward_method, mesh, rank,
+                             world_size):
+    """Keeps each rank's mean and rescales it by its share of the global count: right in exact
+    arithmetic, rounded in another order than the contract's sum over the global count, so
+    the weights differ in their last bits (Section 2)."""
+    return script(fully_shard, register_fsdp_forward_method, mesh, rank, world_size,
+                  mean_rescaled=True)
+
+
 EXPECTED = {
-    "the_broken_script": dict(status="crash", world_sizes=(2,), where="lab_bugs/lab11.py:28"),
+    "the_broken_script": dict(status="crash", world_sizes=(2,), where="lab_bugs/lab11.py:35"),
     "each_rank_averages_its_tokens": dict(status="diverged", world_sizes=(2,), case=CASE,
                                           name="loss", step=0, hint="not its own mean"),
     "forgets_the_divide_factor": dict(status="diverged", world_sizes=(2,), case=CASE,
@@ -143,4 +189,11 @@ EXPECTED = {
                                       hint="set_reduce_scatter_unused_params(True)"),
     "generate_not_registered": dict(status="crash", world_sizes=(2,)),
     "registers_generate_on_the_body": dict(status="crash", world_sizes=(2,)),
+    "each_expert_its_own_group": dict(status="diverged", world_sizes=(2,), case=CASE,
+                                      name="loss", step=0, hint="mix their shards"),
+    "unties_the_head": dict(status="diverged", world_sizes=(2,), case=CASE,
+                            name="parameter names", step=0, hint="one tied parameter"),
+    # which check shows it first (a loss or a weight, which step) is the CPU's rounding's to say
+    "rescales_each_ranks_mean": dict(status="diverged", world_sizes=(2,), case=CASE,
+                                     hint="only the last bits differ"),
 }
