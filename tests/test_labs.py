@@ -87,6 +87,10 @@ def test_a_missing_function_or_a_syntax_error_is_named_before_any_launch(tmp_pat
     bad.write_text("def ring_reduce_scatter(output, input op):\n")
     report = labs.check("00", bad, quiet=True)
     assert report.status == "bad file" and "lab00_ring.py:1: SyntaxError" in str(report)
+    bad.write_text("import torch\n\n\ndef ring_reduce_scatter(output: Group, input):\n    pass\n")
+    report = labs.check("00", bad, quiet=True)  # any error while importing: its line, no traceback
+    assert report.status == "bad file", str(report)
+    assert "lab00_ring.py:4: importing it raised NameError: name 'Group'" in str(report)
 
 
 def test_a_changed_signature_is_named(tmp_path):

@@ -25,6 +25,7 @@ import importlib.util
 import inspect
 import os
 import sys
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -111,7 +112,14 @@ def load(lab: Lab, spec: str) -> dict[str, Callable]:
     try:
         mod_spec.loader.exec_module(module)
     except SyntaxError as e:
+        sys.modules.pop(name, None)
         raise LabFileError(f"lab {lab.id}: {file}:{e.lineno}: SyntaxError: {e.msg}") from None
+    except Exception as e:  # a NameError, an ImportError... at import: name the file's line
+        sys.modules.pop(name, None)
+        where = [f for f in traceback.extract_tb(e.__traceback__) if Path(f.filename) == file]
+        line = f":{where[-1].lineno}" if where else ""
+        raise LabFileError(f"lab {lab.id}: {file}{line}: importing it raised "
+                           f"{type(e).__name__}: {e}") from None
     if one:
         fn = getattr(module, one, None)
         seam = next((s for s in lab.seams if s.name == getattr(fn, "__seam__", None)), None)
