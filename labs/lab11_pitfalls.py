@@ -7,7 +7,7 @@ Bar: bit for bit with the reference script run with torch's fully_shard, at N = 
 step's loss and every full parameter after each of 3 SGD steps, then the tokens generate() makes.
 
 ``broken_train`` below runs, and trains the wrong model (or stops with an error): it walks into
-four of the chapter's five pitfalls. Run it (``broken_train(fsdp2.fully_shard,
+four of the chapter's six pitfalls. Run it (``broken_train(fsdp2.fully_shard,
 fsdp2.register_fsdp_forward_method, mesh, rank, n)`` under torchrun), read what goes wrong, and
 write ``train``: the same script, fixed.
 """

@@ -86,7 +86,8 @@ CHAPTERS: dict[str, Chapter] = {c.id: c for c in [
             _w("simple_fsdp_worker", "gloo_in_flight_worker"), _m("demos/simple_fsdp"),
             lab="10"),
     Chapter("11", "FSDP2's pitfalls", "notebooks/11_pitfalls.ipynb",
-            tests=_t("test_exercises_11", "test_pitfalls"), demos=_m("demos/pitfalls"), lab="11"),
+            tests=_t("test_exercises_11", "test_pitfalls"),
+            demos=_m("demos/pitfalls", "demos/accumulation"), lab="11"),
 ]}
 
 # what every chapter uses and none teaches alone

@@ -59,3 +59,37 @@ def test_tied_weight_split_over_groups_is_refused_and_one_group_trains_like_torc
         assert t["tied"] == {"ours": True, "torch": True, "one": True}, t["tied"]
         assert t["vs_torch"] is None, t["vs_torch"]
         assert t["vs_one"] < 1e-5, t["vs_one"]
+
+
+ACC3 = Job("accumulation_n3", "minifsdp.demos.accumulation", 3)
+
+
+@fixture_of(ACC3)
+def acc(launched):
+    return launched[ACC3].result().ranks
+
+
+def test_accumulation_modes_equal_torch_in_collectives_and_bits(acc):
+    for r in acc:
+        for mode, d in r["modes"].items():
+            assert d["same_ops"], (mode, d["ops"][1], d["torch_ops"][1])
+            assert d["vs_torch"] is None, (mode, d["vs_torch"])
+            assert d["vs_one"] < 1e-5, (mode, d["vs_one"])
+
+
+def test_accumulation_collective_counts_and_held_memory(acc):
+    K, psi, G = acc[0]["K"], acc[0]["params"], 3  # the root and two blocks
+    want = {"every micro-batch": (K * (2 * G - 1), K * G), "no sync": (K * (2 * G - 1), G),
+            "no sync, no reshard": (G + K * (G - 1), G), "once per step": (G, G)}
+    for r in acc:
+        for mode, d in r["modes"].items():
+            for ops in d["ops"]:  # every step alike
+                got = (sum(o.startswith("AG") for o in ops), sum(o.startswith("RS") for o in ops))
+                assert got == want[mode], (mode, ops)
+        held = {m: d["held"] for m, d in r["modes"].items()}
+        assert held["every micro-batch"]["grads"] < 4 * psi, held  # a shard (padded at N = 3)
+        assert held["no sync"]["grads"] == 4 * psi, held
+        # the all-gather's output stays: N padded shards (4 psi plus the padding at N = 3)
+        shards = held["every micro-batch"]["params"]
+        assert held["no sync, no reshard"]["params"] == held["no sync"]["params"] + 3 * shards
+        assert 3 * shards > 4 * psi, held

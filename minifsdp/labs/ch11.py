@@ -70,7 +70,7 @@ def check_reduce_scatter_outcome(fn) -> bool:
                  fn)
 
 
-# ---- Lab 11: a training script with the chapter's five pitfalls, fixed ---------------------------
+# ---- Lab 11: a training script with four of the chapter's six pitfalls, fixed ---------------
 #
 # The reader gets a script that trains a tiny language model (tied embedding and head, two experts
 # routed per rank, a generate() that skips forward, a token-mean loss over uneven sequences) and
@@ -253,7 +253,7 @@ LAB = Lab(
     hints=(
         "Run the broken script as it is (labs/lab11_pitfalls.py shows it) and read the first "
         "error; then go through the chapter's sections one by one and ask of each line of the "
-        "script whether it walks into that section's pitfall. Four of the five are in it. Read "
+        "script whether it walks into that section's pitfall. Four of the six are in it. Read "
         "Note [unused parameters in a group], Note [divide factor] and Note [forward methods].",
         "The four: a tied weight split over two groups (Section 5); experts that each rank uses "
         "one of (Section 1); a loss that each rank averages over its own tokens while FSDP "
