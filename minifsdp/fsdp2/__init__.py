@@ -50,6 +50,10 @@ GPUs] (prefetch.py); [mixed precision], [gloo dtypes], [divide factor] (mixed_pr
 [HSDP], [HSDP accumulation], [reshard to k ranks] (hsdp.py); [all-gather extensions]
 (fsdp_param.py), [FP8 all-gather], [where ours is simpler than torchao] (float8.py).
 
+CPU offload: ``fully_shard(m, mesh=mesh, offload_policy=CPUOffloadPolicy())`` -- shards,
+sharded gradients and the optimizer's state in CPU memory, copied to the device for each
+all-gather and back after each reduce-scatter (Note [FSDP2 CPU offload] in ``fsdp_param.py``).
+
 Mixed precision (chapter 07): ``fully_shard(m, mesh=mesh, mp_policy=MixedPrecisionPolicy(
 param_dtype=torch.bfloat16, reduce_dtype=torch.float32))`` -- bf16 all-gathers and compute,
 fp32 sharded master weights and gradient reduction.
@@ -72,7 +76,7 @@ from minifsdp.fsdp2.api import (
     load_full_state_dict,
 )
 from minifsdp.fsdp2.float8 import Float8Weight, enable_float8_all_gather
-from minifsdp.fsdp2.fsdp_param import FSDPParam, chunk_dim0
+from minifsdp.fsdp2.fsdp_param import CPUOffloadPolicy, FSDPParam, OffloadPolicy, chunk_dim0
 from minifsdp.fsdp2.fsdp_param_group import FSDPParamGroup, ShardedState, TrainingState
 from minifsdp.fsdp2.fsdp_state import FSDPState, register_fsdp_forward_method
 from minifsdp.fsdp2.hsdp import MeshInfo, mesh_info
@@ -80,8 +84,8 @@ from minifsdp.fsdp2.mixed_precision import MixedPrecisionPolicy
 from minifsdp.fsdp2.prefetch import UnshardHandle
 
 __all__ = [
-    "FSDPModule", "FSDPParam", "FSDPParamGroup", "FSDPState", "Float8Weight", "MeshInfo",
-    "MixedPrecisionPolicy", "ShardedState", "TrainingState", "UnshardHandle", "chunk_dim0",
-    "enable_float8_all_gather", "full_state_dict", "fully_shard", "load_full_state_dict",
-    "mesh_info", "register_fsdp_forward_method",
+    "CPUOffloadPolicy", "FSDPModule", "FSDPParam", "FSDPParamGroup", "FSDPState", "Float8Weight",
+    "MeshInfo", "MixedPrecisionPolicy", "OffloadPolicy", "ShardedState", "TrainingState",
+    "UnshardHandle", "chunk_dim0", "enable_float8_all_gather", "full_state_dict", "fully_shard",
+    "load_full_state_dict", "mesh_info", "register_fsdp_forward_method",
 ]

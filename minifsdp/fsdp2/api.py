@@ -62,7 +62,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
-from minifsdp.fsdp2.fsdp_param import Owners, chunk_dim0
+from minifsdp.fsdp2.fsdp_param import CPUOffloadPolicy, OffloadPolicy, Owners, chunk_dim0
 from minifsdp.fsdp2.fsdp_param_group import FSDPParamGroup
 from minifsdp.fsdp2.fsdp_state import FSDPState
 from minifsdp.fsdp2.hsdp import mesh_info
@@ -323,11 +323,13 @@ def _states_of(modules: list[FSDPModule], method: str) -> list[FSDPState]:
 
 _FSDP_CLASSES: dict[type, type] = {}  # Class -> FSDP<Class>, made once per class
 _NO_MIXED_PRECISION = MixedPrecisionPolicy()  # frozen, so one instance can be the default
+_NO_OFFLOAD = OffloadPolicy()  # no fields: nothing to mutate (torch's default is one too)
 
 
 def fully_shard(module: nn.Module, *, mesh: DeviceMesh | None = None,
                 reshard_after_forward: bool | int | None = None,
                 mp_policy: MixedPrecisionPolicy = _NO_MIXED_PRECISION,
+                offload_policy: OffloadPolicy = _NO_OFFLOAD,
                 ignored_params: set[nn.Parameter] | None = None) -> nn.Module:
     """Shard ``module``'s parameters (those no nested ``fully_shard`` took) on dim 0 over
     ``mesh`` as one group, install the hooks, and return the same module (Note [bottom-up]).
@@ -346,14 +348,21 @@ def fully_shard(module: nn.Module, *, mesh: DeviceMesh | None = None,
             cast the forward inputs (Note [mixed precision] in ``mixed_precision.py``).
             Default: no mixed precision. Dtypes the backend cannot communicate (float8 on
             gloo) and parameters of several dtypes in one group are refused here.
+        offload_policy: ``OffloadPolicy()`` (default): none. ``CPUOffloadPolicy(pin_memory=
+            True)``: the sharded parameters, their gradients and so the optimizer's state and
+            step live in CPU memory; every all-gather copies the shards to the mesh's device
+            first and every reduce-scatter's result is copied back (Note [FSDP2 CPU offload]
+            in ``fsdp_param.py``: the bytes per step). ``pin_memory=True`` needs CUDA (torch's
+            fails too): refused on a machine without it; pass ``pin_memory=False``.
         ignored_params: parameters this call leaves alone, as torch's: not sharded, not
             gathered, their gradients not reduced (each rank keeps its own; a parent's call
             takes them unless it is given them too). E.g. a per-rank bias, or parameters
             another parallelism manages.
 
     Parameters must already be on the mesh's device, or on ``meta`` (Note [meta-device
-    init]). Frozen parameters (``requires_grad=False``) are gathered with the rest but get
-    no gradient and no reduce-scatter.
+    init]; under CPU offload, materialize them with ``to_empty(device="cpu")``). Frozen
+    parameters (``requires_grad=False``) are gathered with the rest but get no gradient and no
+    reduce-scatter.
 
     Example (a world of one)::
 
@@ -369,6 +378,7 @@ def fully_shard(module: nn.Module, *, mesh: DeviceMesh | None = None,
         device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
         mesh = init_device_mesh(device_type, (dist.get_world_size(),))
     mesh_info(mesh)  # refuses a mesh that is neither FSDP's 1-D nor HSDP's 2-D, before changes
+    _check_offload_policy(offload_policy)
     params = _managed_params(module, ignored_params or set())
     for p, owners in params:
         if p.device.type not in (mesh.device_type, "meta"):
@@ -376,7 +386,7 @@ def fully_shard(module: nn.Module, *, mesh: DeviceMesh | None = None,
             raise ValueError(f"{type(module_).__name__}.{name} is on {p.device}, the mesh on "
                              f"{mesh.device_type}: move the module to the device first")
     group = FSDPParamGroup(params, mesh, reshard_after_forward, type(module).__name__,
-                           mp_policy) if params else None
+                           mp_policy, offload_policy) if params else None
     module.__dict__["_fsdp_state"] = FSDPState(module, group)
     register_forward_casts(module, mp_policy)  # after FSDPState's hooks (see its docstring)
     cls = module.__class__
@@ -384,6 +394,20 @@ def fully_shard(module: nn.Module, *, mesh: DeviceMesh | None = None,
         _FSDP_CLASSES[cls] = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {})
     module.__class__ = _FSDP_CLASSES[cls]
     return module
+
+
+def _check_offload_policy(policy: object) -> None:
+    """Refuse what is not an ``OffloadPolicy`` (torch ignores it silently) and pinned memory
+    on a machine without an accelerator (torch fails in ``pin_memory()``: "Found no NVIDIA
+    driver"), before ``fully_shard`` changes anything (Note [FSDP2 CPU offload])."""
+    if not isinstance(policy, OffloadPolicy):
+        raise TypeError(f"fully_shard: offload_policy should be an OffloadPolicy (e.g. "
+                        f"CPUOffloadPolicy()), got {type(policy).__name__} {policy!r}")
+    if (isinstance(policy, CPUOffloadPolicy) and policy.pin_memory
+            and not torch.accelerator.is_available()):
+        raise RuntimeError("fully_shard: CPUOffloadPolicy(pin_memory=True) pins the shards in "
+                           "page-locked memory, which needs CUDA, and this machine has no "
+                           "accelerator; pass CPUOffloadPolicy(pin_memory=False)")
 
 
 def _managed_params(root: nn.Module, ignored: set[nn.Parameter]

@@ -64,11 +64,48 @@ outputs), viewed as the parameter's type only for the call, so the DTensor, the 
 and checkpoints see plain tensors and the type need survive no op (torchao's
 ``_ops_to_preserve_subclass``); ``mesh`` is the shard group's 1-D mesh; and a group holding
 such a parameter cannot ``reshard_after_forward=k`` (torch: ``NotImplementedError`` too).
+
+Note [FSDP2 CPU offload] (torch: ``CPUOffloadPolicy`` in ``_fsdp_api.py``, ``offload_to_cpu`` in
+``_fsdp_param.py``): ``fully_shard(m, offload_policy=CPUOffloadPolicy())`` keeps what the
+optimizer touches in host memory and only what computes on the mesh's device (``mesh_device``:
+``cpu``, or ``cuda:<current device>``)::
+
+    host (CPU)     the padded shards, so the sharded parameters (their DTensors' local tensors),
+                   their sharded ``.grad`` and therefore the optimizer's state and its step
+    mesh device    each unshard's device copy of the shards (the all-gather input, freed with
+                   the group buffer), the unsharded parameters and gradients, the reduce-scatter
+                   input and output
+
+Per step, two kinds of copies cross the host link, both in the shards' dtype (``orig_dtype``:
+before the copy-in's mixed-precision cast, after the reduced gradient's cast back)::
+
+    H2D  each unshard, every parameter's padded shard (``all_gather_input``, non_blocking):
+         U * sum_i padded_shard_numel_i * itemsize per group, U = its unshards per step:
+         2 if resharded after forward (forward, backward), 1 if not (the root by default) or
+         with reshard_after_forward=k (backward gathers the device piece it kept: no copy)
+    D2H  each reducing backward, every reduced parameter's unpadded rows (``grad_to_host``,
+         from ``to_sharded_grads``): sum_i sharded_numel_i * itemsize over the parameters with
+         a gradient; a backward without sync copies nothing
+
+E.g. P fp32 parameters over N ranks, every group resharded after forward: about 8P/N bytes H2D
+and 4P/N bytes D2H per rank and step (plus padding), the price of a device that holds no shards,
+no gradients and no optimizer state between steps. ``pin_memory=True`` (the default) puts the
+shards in page-locked memory, so copies can run as DMA while the CPU goes on: H2D is always
+issued ``non_blocking`` (from pageable memory it simply is not asynchronous), D2H only into
+pinned memory and when not adding into an existing ``.grad`` (the add would read it at once);
+such a copy records an event that ``FSDPParamGroup.finalize_backward`` waits for before the
+optimizer reads the gradient (torch: ``grad_offload_event``). Pinning needs an accelerator:
+torch's ``pin_memory()`` fails on a CPU-only machine ("Found no NVIDIA driver"); ours refuses
+``CPUOffloadPolicy(pin_memory=True)`` there, naming the fix, before touching the module. On a
+CPU mesh the device *is* the CPU and ``.to("cpu")`` returns the tensor itself: the moves copy
+nothing, on the same code path (which is how the tests run and count them); on a CUDA mesh the
+same lines copy to and from ``cuda``.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -83,6 +120,30 @@ from minifsdp.memory import tag
 # (module, attribute name) pairs that hold one parameter: more than one when it is shared,
 # e.g. tied embeddings (``head.weight is tok_emb.weight``).
 Owners = list[tuple[nn.Module, str]]
+
+
+@dataclass
+class OffloadPolicy:
+    """No offloading: ``fully_shard``'s default (torch's class of the same name)."""
+
+
+@dataclass
+class CPUOffloadPolicy(OffloadPolicy):
+    """Keep the sharded parameters, their gradients and the optimizer's state in CPU memory;
+    copy the shards to the mesh's device for each all-gather and the reduced gradients back
+    (Note [FSDP2 CPU offload]). ``pin_memory``: page-locked host memory, for asynchronous
+    copies (needs CUDA; pass ``False`` on a CPU-only machine or when host memory is short)."""
+
+    pin_memory: bool = True
+
+
+def mesh_device(mesh: DeviceMesh) -> torch.device:
+    """The device a mesh computes on: ``cpu``, or e.g. ``cuda:<current device>`` (torch's
+    ``_get_device_from_mesh``)."""
+    if mesh.device_type == "cpu":
+        return torch.device("cpu")
+    module = torch.get_device_module(mesh.device_type)
+    return torch.device(mesh.device_type, module.current_device())
 
 
 def chunk_dim0(tensor: torch.Tensor, world_size: int) -> list[torch.Tensor]:
@@ -144,7 +205,8 @@ class FSDPParam:
     """
 
     def __init__(self, param: nn.Parameter, owners: Owners, mesh: DeviceMesh | MeshInfo,
-                 mp_policy: MixedPrecisionPolicy | None = None):
+                 mp_policy: MixedPrecisionPolicy | None = None,
+                 offload_policy: OffloadPolicy | None = None):
         if param.dim() == 0:
             raise ValueError("fully_shard shards on dim 0: a 0-d parameter has none; make it "
                              "1-d with one element")
@@ -159,6 +221,11 @@ class FSDPParam:
         self.name = f"{type(owners[0][0]).__name__}.{owners[0][1]}"
         self.owners, self.mesh, self.placements = owners, info.mesh, info.placements
         self.rank, self.world_size = info.shard_rank, info.shard_size  # the shard group's
+        # Note [FSDP2 CPU offload]: the shards on the host, copied to ``device`` to compute
+        self.offload_to_cpu = isinstance(offload_policy, CPUOffloadPolicy)
+        self.pin_memory = self.offload_to_cpu and offload_policy.pin_memory
+        self.device = mesh_device(info.mesh)
+        self.grad_offload_event: torch.Event | None = None  # a non_blocking D2H in flight
         self.orig_size = param.shape
         self.orig_stride = contiguous_stride(param.shape)
         with torch.no_grad():
@@ -168,6 +235,8 @@ class FSDPParam:
             self.padded_sharded_size = chunks[0].shape  # chunk 0 is never short
             padded = param.new_zeros(self.padded_sharded_size)  # on "meta" stays on meta
             padded[: mine.shape[0]].copy_(mine)
+            if self.offload_to_cpu and not padded.is_meta:
+                padded = self._to_host_memory(padded)
         self.padded_shard_numel = padded.numel()
         self._sharded_data = padded.view(-1)
         self.sharded_param = nn.Parameter(self.to_sharded_dtensor(padded[: mine.shape[0]]),
@@ -220,7 +289,16 @@ class FSDPParam:
         return DTensor(local, spec, requires_grad=False)
 
     def all_gather_input(self) -> torch.Tensor:
-        """The padded shard, 1-D (``padded_shard_numel``), that this rank sends.
+        """The padded shard, 1-D (``padded_shard_numel``), that this rank sends: on the mesh's
+        device, so a copy of it under CPU offload (Note [FSDP2 CPU offload])."""
+        shard = self.padded_shard()
+        if self.offload_to_cpu:
+            shard = shard.to(self.device, non_blocking=True)
+        return shard
+
+    def padded_shard(self) -> torch.Tensor:
+        """The padded shard, 1-D (``padded_shard_numel``), where it lives (the host under CPU
+        offload).
 
         Note [who owns the shard's storage]: the local tensor must stay a view of
         ``_sharded_data``, or the optimizer's in-place updates would never reach the
@@ -235,9 +313,30 @@ class FSDPParam:
         with torch.no_grad():
             padded = local.new_zeros(self.padded_sharded_size)
             padded[: local.shape[0]].copy_(local)
+            if self.pin_memory:  # e.g. after to_empty(device="cpu"): pinned as at init
+                padded = self._to_host_memory(padded)
         self._sharded_data = padded.view(-1)
         self.sharded_param._local_tensor = padded[: local.shape[0]]
         return self._sharded_data
+
+    def _to_host_memory(self, padded: torch.Tensor) -> torch.Tensor:
+        """The padded shard in CPU memory, page-locked if ``pin_memory``."""
+        padded = padded.cpu()
+        return padded.pin_memory() if self.pin_memory and not padded.is_pinned() else padded
+
+    def grad_to_host(self, grad: torch.Tensor, accumulate: bool) -> torch.Tensor:
+        """This rank's reduced rows ``grad`` (on the mesh's device) as the sharded gradient:
+        under CPU offload a copy in CPU memory, else ``grad`` itself (Note [FSDP2 CPU
+        offload]). ``accumulate``: it will be added into an existing ``.grad`` right away, so
+        the copy must have finished (not ``non_blocking``)."""
+        if not self.offload_to_cpu:
+            return grad
+        non_blocking = self.pin_memory and not accumulate
+        grad = grad.to(torch.device("cpu"), non_blocking=non_blocking)
+        if non_blocking:  # waited for in FSDPParamGroup.finalize_backward
+            self.grad_offload_event = torch.accelerator.current_stream(
+                self.device).record_event()
+        return grad
 
     # ---- all-gather extensions (Note [all-gather extensions]) -------------------------------
 
@@ -302,9 +401,10 @@ class FSDPParam:
         valid again.
         """
         local = self.sharded_param._local_tensor
-        if self._unsharded_data is None:
+        if self._unsharded_data is None:  # on the mesh's device, also when the shard is not
+            device = self.device if self.offload_to_cpu else local.device
             self._unsharded_data = local.new_empty(self.world_size * self.padded_shard_numel,
-                                                   dtype=self.unsharded_dtype)
+                                                   dtype=self.unsharded_dtype, device=device)
             view = self._unsharded_data[: math.prod(self.orig_size)].view(self.orig_size)
             self.unsharded_param = nn.Parameter(view, self.sharded_param.requires_grad)
         else:

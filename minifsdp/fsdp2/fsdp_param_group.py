@@ -109,7 +109,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from minifsdp import comm
 from minifsdp.fsdp2.extensions import all_gather_copy_in_bytes, all_gather_copy_out_bytes
-from minifsdp.fsdp2.fsdp_param import FSDPParam, Owners
+from minifsdp.fsdp2.fsdp_param import FSDPParam, OffloadPolicy, Owners
 from minifsdp.fsdp2.hsdp import mesh_info, post_forward_info
 from minifsdp.fsdp2.mixed_precision import MixedPrecisionPolicy, check_backend, group_dtypes
 from minifsdp.fsdp2.reduce import foreach_reduce
@@ -147,6 +147,8 @@ class FSDPParamGroup:
         name: for communication tags, e.g. ``"blocks.0"`` (set at lazy init).
         mp_policy: the dtypes (Note [mixed precision] in ``mixed_precision.py``); ``None``:
             none, as ``MixedPrecisionPolicy()``.
+        offload_policy: ``CPUOffloadPolicy()`` keeps the shards and their gradients in CPU
+            memory (Note [FSDP2 CPU offload] in ``fsdp_param.py``); ``None``: no offload.
 
     Example (inside a torchrun worker, N ranks)::
 
@@ -157,7 +159,8 @@ class FSDPParamGroup:
 
     def __init__(self, params: list[tuple[nn.Parameter, Owners]], mesh: DeviceMesh,
                  reshard_after_forward: bool | int | None, name: str,
-                 mp_policy: MixedPrecisionPolicy | None = None):
+                 mp_policy: MixedPrecisionPolicy | None = None,
+                 offload_policy: OffloadPolicy | None = None):
         self.mp_policy = mp_policy or MixedPrecisionPolicy()
         # check the dtypes before FSDPParam replaces any parameter: an error leaves the
         # module as it was
@@ -172,7 +175,8 @@ class FSDPParamGroup:
         self.has_extensions = bool(self.extension_params)
         self.set_reshard_after_forward(reshard_after_forward)  # refuses a bad k
         check_backend(self.dtypes, info.shard_group, mesh.device_type, name)
-        self.fsdp_params = [FSDPParam(p, owners, info, self.mp_policy) for p, owners in params]
+        self.fsdp_params = [FSDPParam(p, owners, info, self.mp_policy, offload_policy)
+                            for p, owners in params]
         self.mesh, self.process_group = mesh, info.shard_group
         self.rank, self.world_size = info.shard_rank, info.shard_size
         self.replicate_group = info.replicate_group  # HSDP's all-reduce; None on a 1-D mesh
@@ -223,6 +227,13 @@ class FSDPParamGroup:
                 f"fully_shard: {len(meta)} parameter(s) of {self.name!r} are still on the meta "
                 "device. Materialize them first: model.to_empty(device=...), then initialize "
                 "(load_full_state_dict, or reset_parameters() on each submodule).")
+        off_cpu = [f"{p.name} on {p.sharded_param.device}" for p in self.fsdp_params
+                   if p.offload_to_cpu and p.sharded_param.device.type != "cpu"]
+        if off_cpu:  # Note [FSDP2 CPU offload]; torch's _validate_cpu_offload_params
+            raise RuntimeError(
+                f"fully_shard({self.name!r}, offload_policy=CPUOffloadPolicy()): the shards "
+                f"must be in CPU memory, but {', '.join(off_cpu)}; materialize them on the CPU "
+                '(module.to_empty(device="cpu"), or load a CPU state dict)')
 
     # ---- unshard: all-gather -----------------------------------------------------------------
 
@@ -403,9 +414,15 @@ class FSDPParamGroup:
             foreach_reduce(self, with_grad, grads)
 
     def finalize_backward(self) -> None:
-        """End of backward (the root's callback): run ``post_backward`` if it did not run."""
+        """End of backward (the root's callback): run ``post_backward`` if it did not run, and
+        wait for the gradients' asynchronous copies to the host, which the optimizer reads
+        next (Note [FSDP2 CPU offload] in ``fsdp_param.py``)."""
         if self.training_state is not TrainingState.POST_BACKWARD:
             self.post_backward()
+        for p in self.fsdp_params:
+            if p.grad_offload_event is not None:
+                p.grad_offload_event.synchronize()
+                p.grad_offload_event = None
         self.training_state = TrainingState.IDLE
 
     def reset_iter_state(self) -> None:

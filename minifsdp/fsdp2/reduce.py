@@ -98,7 +98,8 @@ def to_sharded_grads(group: FSDPParamGroup, params: list[FSDPParam], out: torch.
     parameter's ``.grad``: cast to the shards' dtype if it differs (the fp32 master weights'
     optimizer needs fp32 gradients, Note [mixed precision]), then parameter i's rows -- its
     ``sharded_numel`` elements at offset ``sum of the earlier padded_shard_numel`` -- as a
-    DTensor view, or added into an existing ``.grad`` (accumulation over backwards)."""
+    DTensor view, or added into an existing ``.grad`` (accumulation over backwards); under CPU
+    offload each parameter's rows are first copied to the host (``FSDPParam.grad_to_host``)."""
     if out.dtype != group.dtypes.orig:
         low = out
         out = low.to(group.dtypes.orig)  # e.g. a bf16 reduce: fp32 .grad for the optimizer
@@ -108,6 +109,8 @@ def to_sharded_grads(group: FSDPParamGroup, params: list[FSDPParam], out: torch.
     for p in params:
         mine = out[offset: offset + p.sharded_numel].view(p.sharded_size)
         offset += p.padded_shard_numel  # skip this parameter's padding
+        # Note [FSDP2 CPU offload] (fsdp_param.py): a host copy if offloading, else ``mine``
+        mine = p.grad_to_host(mine, accumulate=p.sharded_param.grad is not None)
         if p.sharded_param.grad is None:
             p.sharded_param.grad = p.to_sharded_grad(mine)
         else:  # gradient accumulation over several backwards
