@@ -10,9 +10,10 @@ worker compares that option with torch's at N = 2 and 3). At N = 3 and 4 rows di
 unevenly (GPT d_model 32 over 3 ranks, the CNN's fc2 10 rows over 4: 3, 3, 3, 1), so the
 padding is exercised. ``tests/workers/fsdp2_worker.py`` at N = 2 and 3 covers what train.py
 does not reach (frozen + trainable in one group, empty shards, an unused parameter,
-accumulation with and without sync, clipping, meta-device init, state dicts, errors). The
-in-process tests at the end use a world of one. 14 launches, each declared by the tests that
-read it (tests/jobs.py); the fixture ``launched`` runs ``PARALLEL`` at a time.
+accumulation with and without sync, clipping, meta-device init, state dicts, errors, CPU
+offload against torch's ``CPUOffloadPolicy``). The in-process tests at the end use a world of
+one. 14 launches, each declared by the tests that read it (tests/jobs.py); the fixture
+``launched`` runs ``PARALLEL`` at a time.
 """
 
 import functools
@@ -676,3 +677,93 @@ def test_worker_backward_options_are_torchs(worker):
             for method, arg in (("set_is_last_backward", "is_last_backward"),
                                 ("set_unshard_in_backward", "unshard_in_backward")):
                 assert f"{arg} should be a bool" in cases["errors"][method], cases["errors"]
+
+
+def test_worker_cpu_offload_is_torchs(worker):
+    """``offload_policy=CPUOffloadPolicy(pin_memory=False)`` (Note [FSDP2 CPU offload]) at N =
+    2 and 3, on a net with uneven and empty shards, a frozen layer and an unused parameter:
+    ours trains as torch's bit for bit (losses, each rank's sharded gradients, parameters over
+    3 Adam steps) and as ours without offload, with the same collectives in the same order as
+    both; the shards, their gradients and Adam's state are on the CPU; and each step makes the
+    moves the Note predicts, the same as torch's: every parameter's padded shard once per
+    unshard -- 19 a step: the root's 7 parameters once (kept unsharded after forward), mid's 4
+    and narrow's 2 twice (forward, backward) -- and every reduced parameter's rows back once:
+    9, all 13 but mid[0]'s 2 (frozen) and unused's 2 (no gradient). On this CPU mesh a move is
+    a ``.to("cpu")`` that copies nothing; what is checked is that it is made, where torch makes
+    it; without offload there is none."""
+    for n, ranks in worker.items():
+        for r in ranks:
+            case = r["offload"]
+            assert case["vs_torch"] == {"losses": None, "grads": None, "params": None}, case
+            assert case["vs_default"] is None, case["vs_default"]
+            ops = case["ops"]
+            assert ops["ours"] == ops["torch"] == ops["ours_default"] != [], ops
+            assert case["devices"]["ours"] == ["adam cpu", "grad cpu", "padded shard cpu",
+                                               "param cpu"], case["devices"]
+            assert case["devices"]["torch"] == ["adam cpu", "grad cpu", "param cpu"]
+            moves = case["moves"]
+            assert moves["ours"] == moves["torch"] == case["predicted"], moves
+            assert moves["ours_default"] == [[]] * 3
+            for step in moves["ours"]:
+                kinds = [k for k, _, _ in step]
+                assert (kinds.count("h2d"), kinds.count("d2h")) == (19, 9), (n, step)
+                assert all(size == 4 for _, _, size in step)  # fp32: the shards' dtype
+
+
+def test_cpu_offload_pin_memory_needs_cuda_as_in_torch(mesh):
+    """Note [FSDP2 CPU offload]: ``CPUOffloadPolicy()`` pins the shards (``pin_memory=True``,
+    the default). Without an accelerator torch's ``fully_shard`` fails inside ``pin_memory()``
+    and ours refuses up front, naming the fix; both leave the module unsharded. With one, both
+    pin. Something that is not an ``OffloadPolicy`` is refused (torch ignores it)."""
+    from torch.distributed.fsdp import CPUOffloadPolicy as TorchCPUOffloadPolicy
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    from minifsdp.fsdp2 import CPUOffloadPolicy, OffloadPolicy
+
+    assert CPUOffloadPolicy() == CPUOffloadPolicy(pin_memory=True)
+    assert isinstance(CPUOffloadPolicy(), OffloadPolicy)
+    for fs, policy in ((fully_shard, CPUOffloadPolicy()),
+                       (torch_fully_shard, TorchCPUOffloadPolicy())):
+        model = small_model()
+        if torch.accelerator.is_available():
+            fs(model, mesh=mesh, offload_policy=policy)
+            assert model[0].weight.to_local().is_pinned()
+            continue
+        with pytest.raises(RuntimeError) as err:
+            fs(model, mesh=mesh, offload_policy=policy)
+        assert not isinstance(model[0].weight, DTensor) and type(model) is nn.Sequential
+        if fs is fully_shard:
+            assert "CPUOffloadPolicy(pin_memory=False)" in str(err.value)
+            assert "needs CUDA" in str(err.value)
+    with pytest.raises(TypeError, match="offload_policy should be an OffloadPolicy"):
+        fully_shard(small_model(), mesh=mesh, offload_policy="cpu")
+
+
+def test_cpu_offload_meta_init_trains_as_without(mesh):
+    """Note [FSDP2 CPU offload] with Note [meta-device init]: shards sharded on ``meta``,
+    materialized with ``to_empty(device="cpu")`` and loaded (Note [who owns the shard's
+    storage]: re-padded before the first all-gather) train 3 Adam steps to the same bits as
+    the same model without offload, and the shards stay in CPU memory."""
+    from minifsdp.fsdp2 import CPUOffloadPolicy, load_full_state_dict
+
+    full = small_model().state_dict()
+    trained = []
+    for policy in (CPUOffloadPolicy(pin_memory=False), None):
+        with torch.device("meta"):
+            model = small_model()
+        kw = {"offload_policy": policy} if policy is not None else {}
+        fully_shard(model[0], mesh=mesh, **kw)
+        fully_shard(model, mesh=mesh, **kw)
+        model.to_empty(device="cpu")
+        load_full_state_dict(model, full)
+        opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+        for step in range(3):
+            g = torch.Generator().manual_seed(step)
+            model(torch.randn(5, 4, generator=g)).square().sum().backward()
+            opt.step()
+            opt.zero_grad()
+        p = model[0].fsdp_state.group.fsdp_params[0]
+        assert p.offload_to_cpu is (policy is not None) and p.padded_shard().device.type == "cpu"
+        trained.append({k: v.full_tensor() for k, v in model.state_dict().items()})
+    assert_bitwise(trained[0], trained[1], names=("offload", "no offload"))
+    assert max_abs_diff(trained[0], full) > 1e-3  # it trained

@@ -563,6 +563,90 @@ def backward_options() -> dict:
     }
 
 
+@contextlib.contextmanager
+def recording_moves():
+    """Record every ``Tensor.to(..., non_blocking=...)`` as ``(kind, numel, itemsize)``: the
+    CPU offload's moves, ours (``FSDPParam.all_gather_input`` / ``grad_to_host``) and torch's
+    (``FSDPParam.all_gather_inputs`` / ``foreach_reduce``) alike -- both pass ``non_blocking``
+    by keyword, which nothing else in a step does (the run without offload records none).
+    ``non_blocking=True``: the shard to the device ("h2d"); ``False``: an unpinned gradient to
+    the host ("d2h"). On a CPU mesh ``.to("cpu")`` copies nothing, but the call is made."""
+    moves, orig = [], torch.Tensor.to
+
+    def to(self, *a, **k):
+        if "non_blocking" in k:
+            moves.append(("h2d" if k["non_blocking"] else "d2h", self.numel(),
+                          self.element_size()))
+        return orig(self, *a, **k)
+
+    torch.Tensor.to = to
+    try:
+        yield moves
+    finally:
+        torch.Tensor.to = orig
+
+
+def offload() -> dict:
+    """``offload_policy=CPUOffloadPolicy(pin_memory=False)`` (Note [FSDP2 CPU offload]) on
+    ``Net`` (uneven and empty shards, a frozen layer, an unused parameter), ours and torch's,
+    and ours without offload, 3 Adam steps: losses, sharded gradients (each rank's rows) and
+    parameters; the collectives; where the shards, gradients and Adam's state live; each
+    step's moves (``recording_moves``, sorted: ours reduce-scatters the root's group earlier,
+    Note [when is a group's backward over?]) and what Note [FSDP2 CPU offload] predicts."""
+    from torch.distributed.fsdp import CPUOffloadPolicy as TorchCPUOffloadPolicy
+
+    out = {}
+    for name, fs, policy in (
+            ("ours", fsdp2.fully_shard, fsdp2.CPUOffloadPolicy(pin_memory=False)),
+            ("torch", torch_fully_shard, TorchCPUOffloadPolicy(pin_memory=False)),
+            ("ours_default", fsdp2.fully_shard, fsdp2.OffloadPolicy())):
+        model = shard(net(), fs, offload_policy=policy)
+        opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+        losses, grads, moves, predicted, devices = [], [], [], [], set()
+        with recording_collectives() as ops:
+            for step in range(STEPS):
+                x, y = batch(step, 0)
+                with recording_moves() as m:
+                    loss = F.cross_entropy(model(x.chunk(N)[rank]), y.chunk(N)[rank])
+                    loss.backward()
+                moves.append(sorted(m))
+                losses.append(loss.item())
+                named = dict(model.named_parameters())
+                grads.append({k: p.grad.to_local().clone() for k, p in named.items()
+                              if p.grad is not None})
+                devices |= {f"grad {p.grad.to_local().device.type}" for p in named.values()
+                            if p.grad is not None}
+                if name == "ours":  # the Note's prediction from our groups
+                    groups = [mod.fsdp_state.group for mod in model.modules()
+                              if isinstance(mod, fsdp2.FSDPModule)]
+                    predicted.append(sorted(
+                        [("h2d", p.padded_shard_numel, 4) for g in groups for p in g.fsdp_params
+                         for _ in range(2 if g.reshard_after_forward else 1)]
+                        + [("d2h", p.sharded_numel, 4) for g in groups for p in g.fsdp_params
+                           if p.sharded_param.grad is not None]))
+                opt.step()
+                opt.zero_grad()
+        devices |= {f"param {p.to_local().device.type}" for p in model.parameters()}
+        devices |= {f"adam {t.device.type}" for st in opt.state.values() for t in st.values()}
+        if name == "ours":  # the padded shards themselves, not only the DTensors' views
+            devices |= {f"padded shard {p.padded_shard().device.type}"
+                        for mod in model.modules() if isinstance(mod, fsdp2.FSDPModule)
+                        for p in mod.fsdp_state.group.fsdp_params}
+        out[name] = {"losses": losses, "grads": grads, "params": full_params(model),
+                     "ops": list(ops), "moves": moves, "devices": sorted(devices),
+                     "predicted": predicted}
+    ours, theirs = out["ours"], out["torch"]
+    return {"vs_torch": {k: divergence_line(ours[k], theirs[k], names=("fsdp2", "torch"),
+                                            where=f"{AT}, {k}")
+                         for k in ("losses", "grads", "params")},
+            "vs_default": divergence_line(ours["params"], out["ours_default"]["params"],
+                                          names=("fsdp2 offload", "fsdp2"), where=AT),
+            "ops": {k: out[k]["ops"] for k in out},
+            "moves": {k: out[k]["moves"] for k in out},
+            "predicted": ours["predicted"],
+            "devices": {k: out[k]["devices"] for k in out}}
+
+
 def errors() -> dict:
     out = {}
     model = shard(net(), fsdp2.fully_shard)
@@ -600,5 +684,6 @@ out = {
     "ignored_params": ignored_params(),
     "reset_after_exception": reset_after_exception(),
     "backward_options": backward_options(),
+    "offload": offload(),
 }
 finish(out)
