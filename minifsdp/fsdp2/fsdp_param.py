@@ -333,7 +333,8 @@ class FSDPParam:
             return grad
         non_blocking = self.pin_memory and not accumulate
         grad = grad.to(torch.device("cpu"), non_blocking=non_blocking)
-        if non_blocking:  # waited for in FSDPParamGroup.finalize_backward
+        if non_blocking and self.device.type != "cpu":  # a CPU mesh copied nothing
+            # waited for in FSDPParamGroup.finalize_backward, before the optimizer reads it
             self.grad_offload_event = torch.accelerator.current_stream(
                 self.device).record_event()
         return grad
