@@ -5,9 +5,10 @@ hooks call yours through seams "prefetch.forward" (minifsdp.fsdp2.prefetch.after
 and "prefetch.backward" (minifsdp.fsdp2.prefetch.after_pre_backward).
 Check: python -m minifsdp.labs 06      (start: python -m minifsdp.labs 06 --start)
 Bar: at N = 2 and 3, each step's all-gathers and reduce-scatters are issued in the order
-torch's fully_shard issues them (its default, and the same explicit lists of one and of two
-modules; the package's own order for implicit forward prefetch and for none), and losses and
-parameters equal torch's bit for bit.
+torch's fully_shard issues them (its default; the same explicit lists of one and of two
+modules ahead, and lists that name a unit that is not next; the package's own order for
+implicit forward prefetch, also when a step runs the units in a new order, and for none), and
+losses and parameters equal torch's bit for bit.
 """
 
 # given: issue(groups) issues each group's all-gather, async, in order; None and groups already

@@ -105,10 +105,11 @@ class _Stack(torch.nn.Module):
         super().__init__()
         self.blocks = torch.nn.ModuleList(
             torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh()) for _ in range(4))
+        self.order: list[int] | None = None  # a step may run the units in another order
 
     def forward(self, x):
-        for block in self.blocks:
-            x = block(x)
+        for i in self.order or range(len(self.blocks)):
+            x = self.blocks[i](x)
         return x
 
 
@@ -139,8 +140,11 @@ def _train(impl: str, model_name: str, config: str, info, steps: int = 3) -> lis
         shard(block, mesh=mesh)
     shard(model, mesh=mesh)
     units = list(model.blocks)
-    if config.startswith("explicit"):  # lists of 1 or 2 units ahead, on every rank (Note [same
-        ahead = 2 if config == "explicit two ahead" else 1  # order on every rank])
+    if config == "explicit far":  # two lists only, each naming a unit that is not next: the
+        model.set_modules_to_forward_prefetch(units[2:3])  # groups without one keep the
+        units[-1].set_modules_to_backward_prefetch(units[:1])  # default; with one, only it
+    elif config.startswith("explicit"):  # lists of 1 or 2 units ahead, on every rank (Note
+        ahead = 2 if config == "explicit two ahead" else 1  # [same order on every rank])
         for j, module in enumerate([model, *units]):  # root -> units[0:a], unit j -> j+1..
             if units[j:j + ahead]:
                 module.set_modules_to_forward_prefetch(units[j:j + ahead])
@@ -149,7 +153,7 @@ def _train(impl: str, model_name: str, config: str, info, steps: int = 3) -> lis
             if rev[j:j + ahead]:
                 module.set_modules_to_backward_prefetch(rev[j:j + ahead])
     elif impl != "torch":
-        model.set_implicit_prefetch(forward=config == "implicit forward",
+        model.set_implicit_prefetch(forward=config.startswith("implicit forward"),
                                     backward=config != "none")
     marks: list[tuple[int, str]] = []
     logs: list[comm.CommLog] = []
@@ -178,6 +182,8 @@ def _train(impl: str, model_name: str, config: str, info, steps: int = 3) -> lis
                         for _ in range(2))
             else:
                 x = torch.randn(n * 4, 8, generator=g).chunk(n)[rank]
+            if config == "implicit forward, reordered":  # step 1 leaves last step's order
+                model.order = [0, 2, 1, 3] if step == 1 else None
             events = {}
             for phase in ("forward", "backward"):
                 marks.clear()
@@ -230,7 +236,12 @@ def run_lab(t, info) -> None:
              ("4 units under a root with no parameters, explicit lists two ahead", "stack",
               "explicit two ahead", "torch"),
              ("GPT, explicit lists two blocks ahead (forward and backward)", "gpt",
-              "explicit two ahead", "torch")]
+              "explicit two ahead", "torch"),
+             ("4 units, two explicit lists naming units that are not next (the root's in "
+              "forward: unit 2; unit 3's in backward: unit 0)", "stack", "explicit far",
+              "torch"),
+             ("4 units, implicit forward prefetch, step 1 runs them as 0, 2, 1, 3 (minifsdp "
+              "only)", "stack", "implicit forward, reordered", "reference")]
     for title, model_name, config, oracle in cases:
         with t.case(f"{title}, vs {'torch' if oracle == 'torch' else 'the reference'}",
                     (FWD, BWD)):
@@ -270,7 +281,9 @@ def hint(name: str, got, expected, n: int) -> str | None:
                     "several modules is issued whole, in its order, by its module's hook "
                     "(Note [which group is next])")
     return ("the same collectives in another order: the prefetch targets another group than "
-            "the reference's (Note [which group is next])")
+            "the reference's, or comes where the reference issues none: an explicit list "
+            "decides alone, and once this forward leaves the last one's order (ctx.on_track) "
+            "there is no guess (Note [which group is next])")
 
 
 LAB = Lab(

@@ -170,6 +170,36 @@ _GPT = "GPT, torch's default: implicit backward prefetch, vs torch"
 _TWO = "4 units under a root with no parameters, explicit lists two ahead, vs torch"
 # What the checker must say about each bug: the report's status, the jobs to run (the smallest
 # that shows the bug), and where the first divergence is (case, checked value) or the line.
+
+@replaces("prefetch.forward")
+def prefetches_off_the_track(state):
+    """Guesses from the last forward's order even after this forward left it (ignores
+    ``ctx.on_track``): when a step runs the units in another order, it prefetches groups that
+    do not run next (Note [which group is next])."""
+    ctx = state.ctx
+    if state.group is not None:
+        k, last = len(ctx.forward_order), ctx.last_forward_order
+        ctx.on_track = ctx.on_track and k < len(last) and last[k] is state.group
+        ctx.forward_order.append(state.group)
+    if state.forward_prefetch:
+        issue(s.group for s in state.forward_prefetch)
+    elif state.implicit_forward_prefetch:
+        k = len(ctx.forward_order)
+        issue(ctx.last_forward_order[k:k + 1])
+
+
+@replaces("prefetch.backward")
+def explicit_list_and_the_guess(state):
+    """Issues the explicit list *and* the implicit guess, as if the list were a hint: a module
+    whose list names a unit that is not next also prefetches the next one, which torch does not
+    (an explicit list replaces the default, Note [which group is next])."""
+    indices = state.post_forward_indices
+    i = indices.pop() if indices else None
+    if state.backward_prefetch:
+        issue(s.group for s in state.backward_prefetch)
+    if state.implicit_backward_prefetch and i:
+        issue([state.ctx.post_forward_order[i - 1]])
+
 EXPECTED = {
     "prefetches_its_own_group": dict(status="diverged", world_sizes=(2,), case=_GPT, step=0,
                                      phase="backward", name="collectives in backward",
@@ -201,4 +231,14 @@ EXPECTED = {
     "skips_modules_without_parameters": dict(status="diverged", world_sizes=(2,), case=_TWO,
                                              step=0, phase="forward",
                                              name="collectives in forward"),
+    "prefetches_off_the_track": dict(
+        status="diverged", world_sizes=(2,), step=1, phase="forward",
+        case="4 units, implicit forward prefetch, step 1 runs them as 0, 2, 1, 3 (minifsdp "
+             "only), vs the reference",
+        name="collectives in forward", hint="ctx.on_track"),
+    "explicit_list_and_the_guess": dict(
+        status="diverged", world_sizes=(2,), step=0, phase="backward",
+        case="4 units, two explicit lists naming units that are not next (the root's in "
+             "forward: unit 2; unit 3's in backward: unit 0), vs torch",
+        name="collectives in backward", hint="an explicit list decides alone"),
 }
