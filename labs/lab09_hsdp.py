@@ -3,9 +3,11 @@
 Seam "fsdp2.reduce_grads" (minifsdp.fsdp2.reduce.reduce_grads, called by foreach_reduce).
 Check: python -m minifsdp.labs 09   (start: --start)   Hints: --hint (1, 2, 3)
 Bar: bit for bit with torch's fully_shard on a 2-D DeviceMesh ("replicate", "shard"): a 2 x 2 mesh
-at N = 4, then 2 x 1 and 1 x 2 at N = 2; fp32, bf16 parameters with an fp32 reduce (two
-micro-batches, the first under set_requires_all_reduce(False)), an fp16 reduce; 3 Adam steps:
-the reduction's collectives (op, group size, dtype, numel, order), losses, gradients, parameters.
+at N = 4, then 2 x 1 and 1 x 2 at N = 2; fp32, bf16 parameters with an fp32 reduce (three
+micro-batches, the first two under set_requires_all_reduce(False)), an fp16 reduce with the loss
+scaled so that a sum without the pre-division overflows (step 0) and into fp16's subnormals
+(step 1); 3 Adam steps: flat's bytes after each call (0), the reduction's collectives (op, group
+size, dtype, numel, order), losses, gradients, parameters.
 Also read Note [mixed precision] (torch's divide factors).
 """
 

@@ -69,13 +69,30 @@ from minifsdp.labs.seams import Lab, Seam  # noqa: E402
 
 LAB_STEPS = 3
 REDUCE = "fsdp2.reduce_grads"
-# (name, param dtype, reduce dtype, micro-batches, all-reduce every micro-batch); the meshes
-# come from the world size: (2, 2) at N = 4, (2, 1) and (1, 2) at N = 2
+MICRO = 3
+# fp16's overflow and subnormal ranges: only there does the place of a division by a power of
+# two change any bit (dividing a normal fp16 number by 2 is exact), so the fp16 case scales the
+# loss into them. Step 0: replicate 0's ranks scale their loss by OVERFLOW_SCALE, which puts
+# the largest sum of two ranks' fp16 gradients in the shard group above 65504 (inf) while each
+# rank's gradient, and torch's sum of pre-divided ones, stay below it (at N = 4: 0.54 x 125000
+# = 67400 over 2 ranks, the largest single gradient 0.42 x 125000; at N = 2: 0.79 and 0.51);
+# step 1: every rank scales by SUBNORMAL_SCALE, which makes every gradient an fp16 subnormal
+# (|g| < 1 -> < 2^-14), where each division rounds bits away.
+OVERFLOW_SCALE = 125_000.0
+SUBNORMAL_EXP = -14
+SUBNORMAL_SCALE = 2.0**SUBNORMAL_EXP
+# (name, param dtype, reduce dtype, micro-batches, all-reduce every micro-batch, per step the
+# loss scale of replicate 0's ranks and of the others); the meshes come from the world size:
+# (2, 2) at N = 4, (2, 1) and (1, 2) at N = 2
 POLICIES = (
-    ("fp32", None, None, 1, True),
-    ("bf16 parameters, fp32 reduce, 2 micro-batches, set_requires_all_reduce(False) on the "
-     "first", torch.bfloat16, torch.float32, 2, False),
-    ("fp32 parameters, fp16 reduce (pre- and post-division)", None, torch.float16, 1, True),
+    ("fp32", None, None, 1, True, None),
+    (f"bf16 parameters, fp32 reduce, {MICRO} micro-batches, set_requires_all_reduce(False) on "
+     f"the first {MICRO - 1}", torch.bfloat16, torch.float32, MICRO, False, None),
+    (f"fp32 parameters, fp16 reduce (pre- and post-division), the loss scaled by "
+     f"{OVERFLOW_SCALE:.0f} on replicate 0 at step 0 (an fp16 sum without the pre-division "
+     f"overflows) and by 2^{SUBNORMAL_EXP} at step 1 (fp16 subnormals)", None, torch.float16, 1,
+     True,
+     ((OVERFLOW_SCALE, 1.0), (SUBNORMAL_SCALE, SUBNORMAL_SCALE), (1.0, 1.0))),
 )
 
 
@@ -86,7 +103,8 @@ def _meshes(n: int) -> list[tuple[int, int]]:
 def train_hsdp_vs_torch(t, info, shape: tuple[int, int], policy: tuple) -> None:
     """``LAB_STEPS`` Adam steps of chapter 05's ``lab_net`` under HSDP on an (R, S) mesh, our
     ``fully_shard`` against torch's with the same ``MixedPrecisionPolicy``, comparing per step:
-    the reduction's collectives (op, group size, dtype, numel, in issue order), each loss, the
+    the bytes behind ``flat`` after each call of the seam (0: the contract frees it), the
+    reduction's collectives (op, group size, dtype, numel, in issue order), each loss, the
     gradients and the parameters (full tensors)."""
     import torch.nn.functional as F
     from torch.distributed.device_mesh import init_device_mesh
@@ -94,9 +112,10 @@ def train_hsdp_vs_torch(t, info, shape: tuple[int, int], policy: tuple) -> None:
     from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
     from minifsdp import comm, fsdp2
+    from minifsdp.fsdp2 import reduce
     from minifsdp.labs.ch05 import lab_net
 
-    _, param_dtype, reduce_dtype, micro, every = policy
+    _, param_dtype, reduce_dtype, micro, every, scales = policy
     r_deg, s_deg = shape
     mesh = init_device_mesh(info.device.type, shape, mesh_dim_names=("replicate", "shard"))
     models, opts = {}, {}
@@ -117,43 +136,67 @@ def train_hsdp_vs_torch(t, info, shape: tuple[int, int], policy: tuple) -> None:
     slots = [sum(p.padded_shard_numel for p in g.fsdp_state.group.fsdp_params) for g in groups]
     dt = str(reduce_dtype or param_dtype or torch.float32).removeprefix("torch.")
     n, r = info.world_size, info.rank
-    for step in range(LAB_STEPS):
-        for k in range(micro):
-            last = k == micro - 1
-            reduce_all = every or last
+    now = {"step": 0}
+
+    def freeing(reduce_grads):  # wraps the installed seam: it sees flat after the call
+        def wrapped(group, flat):
+            out = reduce_grads(group, flat)
+            t.expect(f"group {group.name}: bytes behind flat after reduce_grads returned",
+                     flat.untyped_storage().nbytes(), 0, step=now["step"], phase="backward")
+            return out
+        return wrapped
+
+    saved = reduce.reduce_grads
+    reduce.reduce_grads = freeing(saved)
+    try:
+        for step in range(LAB_STEPS):
+            now["step"] = step
+            # ranks 0 .. S - 1 make up replicate 0 (the mesh is row-major)
+            scale = None if scales is None else scales[step][0 if r < s_deg else 1]
+            for k in range(micro):
+                last = k == micro - 1
+                reduce_all = every or last
+                for impl in ("ours", "torch"):
+                    models[impl].set_requires_all_reduce(reduce_all)
+                g = torch.Generator().manual_seed(100 + micro * step + k)
+                x, y = torch.randn(n * 4, 8, generator=g), torch.randint(0, 3, (n * 4,),
+                                                                         generator=g)
+                x, y = x.chunk(n)[r], y.chunk(n)[r]
+                loss = F.cross_entropy(models["ours"](x), y)
+                if scale is not None and scale != 1.0:
+                    loss = loss * scale
+                with comm.logging_comm() as log:
+                    loss.backward()
+                got = [(c.op, c.group_size, c.dtype, int(torch.Size(c.shape).numel()))
+                       for c in log.comms() if c.op in ("reduce_scatter", "all_reduce")]
+                want = []
+                for slot in slots:
+                    want.append(("reduce_scatter", s_deg, dt, s_deg * slot))
+                    if reduce_all:
+                        want.append(("all_reduce", r_deg, dt, slot))
+                t.expect("the reduction's collectives in backward (op, group size, dtype, numel)"
+                         + ("" if reduce_all else ", without the all-reduce"), got, want,
+                         step=step, phase="backward")
+                theirs = F.cross_entropy(models["torch"](x), y)
+                if scale is not None and scale != 1.0:
+                    theirs = theirs * scale
+                theirs.backward()
+                t.expect("loss" if micro == 1 else f"loss of micro-batch {k}", loss.detach(),
+                         theirs.detach(), step=step, phase="forward")
+            ours, theirs = (dict(models[k].named_parameters()) for k in ("ours", "torch"))
+            after = "" if micro == 1 else f" after {micro} micro-batches"
+            for name, p in theirs.items():
+                mine = ours[name].grad
+                t.expect(f"{name}.grad{after}", None if mine is None else mine.full_tensor(),
+                         p.grad.full_tensor(), step=step, phase="backward")
             for impl in ("ours", "torch"):
-                models[impl].set_requires_all_reduce(reduce_all)
-            g = torch.Generator().manual_seed(100 + micro * step + k)
-            x, y = torch.randn(n * 4, 8, generator=g), torch.randint(0, 3, (n * 4,), generator=g)
-            x, y = x.chunk(n)[r], y.chunk(n)[r]
-            loss = F.cross_entropy(models["ours"](x), y)
-            with comm.logging_comm() as log:
-                loss.backward()
-            got = [(c.op, c.group_size, c.dtype, int(torch.Size(c.shape).numel()))
-                   for c in log.comms() if c.op in ("reduce_scatter", "all_reduce")]
-            want = []
-            for slot in slots:
-                want.append(("reduce_scatter", s_deg, dt, s_deg * slot))
-                if reduce_all:
-                    want.append(("all_reduce", r_deg, dt, slot))
-            t.expect("the reduction's collectives in backward (op, group size, dtype, numel)"
-                     + ("" if reduce_all else ", without the all-reduce"), got, want,
-                     step=step, phase="backward")
-            theirs = F.cross_entropy(models["torch"](x), y)
-            theirs.backward()
-            t.expect("loss" if micro == 1 else f"loss of micro-batch {k}", loss.detach(),
-                     theirs.detach(), step=step, phase="forward")
-        ours, theirs = (dict(models[k].named_parameters()) for k in ("ours", "torch"))
-        for name, p in theirs.items():
-            mine = ours[name].grad
-            t.expect(f"{name}.grad", None if mine is None else mine.full_tensor(),
-                     p.grad.full_tensor(), step=step, phase="backward")
-        for impl in ("ours", "torch"):
-            opts[impl].step()
-            opts[impl].zero_grad()
-        for name, p in theirs.items():
-            t.expect(name, ours[name].detach().full_tensor(), p.detach().full_tensor(),
-                     step=step, phase="optimizer step")
+                opts[impl].step()
+                opts[impl].zero_grad()
+            for name, p in theirs.items():
+                t.expect(name, ours[name].detach().full_tensor(), p.detach().full_tensor(),
+                         step=step, phase="optimizer step")
+    finally:
+        reduce.reduce_grads = saved
 
 
 def run_lab(t, info) -> None:
@@ -188,9 +231,35 @@ def hint(name: str, got, expected, n: int) -> str | None:
                 return ("set_requires_all_reduce(False): reduce-scatter, keep the sum in "
                         "group.partial_reduce_output, return None (Note [HSDP accumulation])")
         return "op, group size, dtype and numel per collective: Note [HSDP]"
+    if "bytes behind flat" in name:
+        return ("the contract frees flat: flat.untyped_storage().resize_(0) once the "
+                "reduce-scatter returns -- dropping your reference frees nothing, the caller and "
+                "gloo's thread still hold it (Note [freeing with resize_] in "
+                "fsdp_param_group.py)")
     if not isinstance(got, torch.Tensor) or not isinstance(expected, torch.Tensor):
         return None
-    if name.endswith(".grad") or name == "loss" or name.startswith("loss of"):
+    grad = ".grad" in name
+    if grad and got.shape == expected.shape and got.is_floating_point():
+        if not torch.isfinite(got).all() and torch.isfinite(expected).all():
+            return ("yours overflowed to inf where torch's stayed finite: with an fp16 reduce, "
+                    "divide flat by the pre-factor *before* the reduce-scatter, so that the sum "
+                    "over the shard group cannot overflow; post divides after the all-reduce "
+                    "(Note [mixed precision], gradient_divide_factors)")
+        differ = got != expected
+        tiny = 2.0**-14  # fp16's smallest normal number
+        if differ.any() and (expected[differ].abs() < tiny).all() and (
+                got[differ].abs() < tiny).all():
+            return ("only fp16 subnormals differ, where every division rounds bits away: "
+                    "divide exactly where torch does, by pre before the reduce-scatter and by "
+                    "post once after the all-reduce, not before it (Note [mixed precision], "
+                    "gradient_divide_factors)")
+    if grad or name == "loss" or name.startswith("loss of"):
+        if grad and "micro-batches" in name:
+            return _generic_hint(got, expected, n) or (
+                "under set_requires_all_reduce(False) each micro-batch's reduce-scattered slot "
+                "is added into group.partial_reduce_output (the first one kept, every later "
+                "one added, not stored over it); the synced micro-batch adds that sum into its "
+                "slot before the all-reduce and clears it (Note [HSDP accumulation])")
         return _generic_hint(got, expected, n) or (
             "the average must run over all R x S ranks, with torch's divide factors: AVG in "
             "both collectives for fp32 / bf16, SUM between a pre- and a post-division "
@@ -203,7 +272,7 @@ LAB = Lab(
     title="HSDP: the 2-D gradient reduction",
     skeleton="labs/lab09_hsdp.py",
     seams=(Seam(REDUCE, "minifsdp.fsdp2.reduce", "reduce_grads", "reduce_grads"),),
-    notes=("HSDP", "HSDP accumulation", "mixed precision"),
+    notes=("HSDP", "HSDP accumulation", "mixed precision", "freeing with resize_"),
     run=run_lab,
     hint=hint,
     world_sizes=(4, 2),

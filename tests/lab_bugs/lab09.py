@@ -1,9 +1,9 @@
 """Lab 09's planted bugs: HSDP reductions a learner plausibly writes (Note [HSDP], Note [HSDP
-accumulation], Note [mixed precision]).
+accumulation], Note [mixed precision], Note [freeing with resize_]).
 
 Each function replaces the seam (``@replaces``); tests/test_lab_bugs.py checks that the checker
-rejects it and points where the bug shows first. All run at N = 2 (meshes 2 x 1 and 1 x 2),
-where every one of them already shows: the cheap job.
+rejects it and points where the bug shows first, at N = 2 (meshes 2 x 1 and 1 x 2: the cheap
+job) except post_divides_before_the_all_reduce: only N = 4 has an fp16 post-factor other than 1.
 """
 
 import torch
@@ -137,7 +137,106 @@ def scatters_over_the_replicate_dim(group, flat):
     return out
 
 
+
+@replaces("fsdp2.reduce_grads")
+@torch.no_grad()
+def keeps_flat(group, flat):
+    """Reduces right but never frees ``flat``: the learner drops it with the function's return,
+    trusting the garbage collector -- while the caller and gloo's thread still hold it, so a
+    whole unsharded gradient's bytes outlive every reduction (the contract: resize_(0) once the
+    reduce-scatter returns; Note [freeing with resize_])."""
+    pre, post, op = _factors(group, flat)
+    divide_if_needed(flat, pre)
+    out = flat.new_empty(flat.numel() // group.world_size)
+    tag(out, "grads")
+    comm.reduce_scatter_tensor(out, flat, op, group.process_group)
+    if group.replicate_group is not None:
+        if not group.all_reduce_grads:
+            _keep(group, out)
+            return None
+        if group.partial_reduce_output is not None:
+            out += group.partial_reduce_output
+            group.partial_reduce_output = None
+        comm.all_reduce(out, op, group.replicate_group)
+    divide_if_needed(out, post)
+    return out
+
+
+@replaces("fsdp2.reduce_grads")
+@torch.no_grad()
+def overwrites_the_partial_sum(group, flat):
+    """Keeps each micro-batch's slot under set_requires_all_reduce(False) by storing it in
+    ``partial_reduce_output`` instead of adding: with two such micro-batches before the synced
+    one, the first one's gradients are lost (Note [HSDP accumulation]: the kept slot is a sum
+    over every backward since the last all-reduce)."""
+    pre, post, op = _factors(group, flat)
+    divide_if_needed(flat, pre)
+    out = _scatter(group, flat, op)
+    if group.replicate_group is not None:
+        if not group.all_reduce_grads:
+            group.partial_reduce_output = out
+            return None
+        if group.partial_reduce_output is not None:
+            out += group.partial_reduce_output
+            group.partial_reduce_output = None
+        comm.all_reduce(out, op, group.replicate_group)
+    divide_if_needed(out, post)
+    return out
+
+
+@replaces("fsdp2.reduce_grads")
+@torch.no_grad()
+def pre_divides_after_the_reduce_scatter(group, flat):
+    """Divides by ``pre`` after the reduce-scatter, on the S-times smaller slot (fewer
+    divisions): the same numbers in exact arithmetic, but the fp16 sum over the shard group
+    overflows to inf where torch's pre-divided one does not -- avoiding that is why fp16
+    pre-divides at all (Note [mixed precision])."""
+    pre, post, op = _factors(group, flat)
+    out = _scatter(group, flat, op)
+    divide_if_needed(out, pre)
+    if group.replicate_group is not None:
+        if not group.all_reduce_grads:
+            _keep(group, out)
+            return None
+        if group.partial_reduce_output is not None:
+            out += group.partial_reduce_output
+            group.partial_reduce_output = None
+        comm.all_reduce(out, op, group.replicate_group)
+    divide_if_needed(out, post)
+    return out
+
+
+@replaces("fsdp2.reduce_grads")
+@torch.no_grad()
+def post_divides_before_the_all_reduce(group, flat):
+    """Finishes the average within the node -- divides by ``post`` before the all-reduce -- so
+    that the replicas only sum: exact for normal fp16 numbers (the factors are powers of two),
+    but each replica's subnormal sums lose their last bit before they are added (Note [mixed
+    precision]: torch divides by post once, after the all-reduce). Shows only at N = 4, where
+    post = 2 (at N = 2, post = 1)."""
+    pre, post, op = _factors(group, flat)
+    divide_if_needed(flat, pre)
+    out = _scatter(group, flat, op)
+    if group.replicate_group is not None:
+        if not group.all_reduce_grads:
+            _keep(group, out)
+            return None
+        if group.partial_reduce_output is not None:
+            out += group.partial_reduce_output
+            group.partial_reduce_output = None
+        divide_if_needed(out, post)
+        comm.all_reduce(out, op, group.replicate_group)
+        return out
+    divide_if_needed(out, post)
+    return out
+
 CASE_FP32 = "HSDP on a 2 x 1 mesh, fp32: 3 Adam steps against torch's fully_shard"
+CASE_ACCUM = ("HSDP on a 2 x 1 mesh, bf16 parameters, fp32 reduce, 3 micro-batches, "
+              "set_requires_all_reduce(False) on the first 2: 3 Adam steps against torch's "
+              "fully_shard")
+FP16 = ("fp32 parameters, fp16 reduce (pre- and post-division), the loss scaled by 125000 on "
+        "replicate 0 at step 0 (an fp16 sum without the pre-division overflows) and by 2^-14 at "
+        "step 1 (fp16 subnormals): 3 Adam steps against torch's fully_shard")
 COLLECTIVES = "the reduction's collectives in backward (op, group size, dtype, numel)"
 EXPECTED = {
     "all_reduces_first": dict(status="diverged", world_sizes=(2,), case=CASE_FP32,
@@ -153,11 +252,23 @@ EXPECTED = {
                                 name=COLLECTIVES, step=0, phase="backward",
                                 hint="another dtype than the reduce dtype"),
     "ignores_set_requires_all_reduce": dict(
-        status="diverged", world_sizes=(2,), step=0, phase="backward",
-        case="HSDP on a 2 x 1 mesh, bf16 parameters, fp32 reduce, 2 micro-batches, "
-             "set_requires_all_reduce(False) on the first: 3 Adam steps against torch's "
-             "fully_shard",
+        status="diverged", world_sizes=(2,), step=0, phase="backward", case=CASE_ACCUM,
         name=COLLECTIVES + ", without the all-reduce", hint="Note [HSDP accumulation]"),
     "scatters_over_the_replicate_dim": dict(status="crash", world_sizes=(2,),
                                             where="lab_bugs/lab09.py:134"),
+    "keeps_flat": dict(status="diverged", world_sizes=(2,), case=CASE_FP32,
+                       name="group root: bytes behind flat after reduce_grads returned", step=0,
+                       phase="backward", hint="flat.untyped_storage().resize_(0) once the "
+                                              "reduce-scatter returns"),
+    "overwrites_the_partial_sum": dict(status="diverged", world_sizes=(2,), case=CASE_ACCUM,
+                                       name="scale.grad after 3 micro-batches", step=0,
+                                       phase="backward", hint="not stored over it"),
+    "pre_divides_after_the_reduce_scatter": dict(
+        status="diverged", world_sizes=(2,), case="HSDP on a 1 x 2 mesh, " + FP16,
+        name="head.bias.grad", step=0, phase="backward",
+        hint="divide flat by the pre-factor *before* the reduce-scatter"),
+    "post_divides_before_the_all_reduce": dict(
+        status="diverged", world_sizes=(4,), case="HSDP on a 2 x 2 mesh, " + FP16,
+        name="body.0.weight.grad", step=1, phase="backward",
+        hint="post once after the all-reduce"),
 }
