@@ -81,6 +81,7 @@ def check_zero_step_wire_bytes(fn, measured: list[tuple] | None = None) -> bool:
 
 REDUCE, STEP = "zero.reduce", "zero.step"
 COLLECTIVES = "collectives of the step, in issue order"
+INTO_FLAT = "each all-gather of the step writes into a bucket's flat"
 FREED = "full bucket gradient freed after backward (b.grad is None)"
 STORAGE = "bytes of the storage behind shard.grad"
 CAP_MB = 64 / 2**20  # 64 bytes: three buckets of 15, 4 and 20 elements (padding at N = 2, 3)
@@ -118,7 +119,21 @@ def _zero_steps(model, opt, steps: int, micro: int, rank: int,
                 rec["grad storage"] = [None if b.shard.grad is None
                                        else b.shard.grad.untyped_storage().nbytes()
                                        for b in opt.buckets]
-            opt.step()
+            gathered_into: list[int] = []  # where each all-gather of the step writes
+            real = comm.all_gather_into_tensor
+
+            def spy(output, *args, into=gathered_into, real=real, **kwargs):
+                into.append(output.untyped_storage().data_ptr())
+                return real(output, *args, **kwargs)
+
+            comm.all_gather_into_tensor = spy
+            try:
+                opt.step()
+            finally:
+                comm.all_gather_into_tensor = real
+            if hasattr(opt, "buckets"):
+                flats = {b.flat.untyped_storage().data_ptr() for b in opt.buckets}
+                rec["into flat"] = [ptr in flats for ptr in gathered_into]
         rec["collectives"] = [f"{r.op} {tuple(r.shape)} {str(r.dtype).replace('torch.', '')}"
                               f" over {r.group_size} ranks" for r in log.comms()]
         opt.zero_grad(set_to_none=True)
@@ -190,6 +205,7 @@ def run_lab(t, info) -> None:
                     t.expect(f"bucket {i}: {STORAGE}", sg, sw, step=step, phase="backward")
                 t.expect(COLLECTIVES, g["collectives"], w["collectives"], step=step,
                          phase="backward and step")
+                t.expect(INTO_FLAT, g["into flat"], w["into flat"], step=step, phase="step")
                 for name, p, pw in zip(names, g["params"], w["params"]):
                     t.expect(name, p, pw, step=step, phase="optimizer step")
                 if ddp:
@@ -202,6 +218,10 @@ def run_lab(t, info) -> None:
 
 
 def hint(name: str, got, expected, n: int) -> str | None:
+    if name == INTO_FLAT:
+        return ("all-gather straight into b.flat: the parameters are views of it, so that one "
+                "collective updates them in place; a temporary and a copy add a bucket's bytes "
+                "and a pass over them (Note [flat partition])")
     if name == COLLECTIVES and isinstance(got, list):
         ops = lambda xs: [x.split(" ")[0] for x in xs]
         if "all_reduce" in ops(got) and "all_reduce" not in ops(expected):

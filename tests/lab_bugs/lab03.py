@@ -166,6 +166,23 @@ def gathers_over_the_default_group(opt, closure=None):
         comm.all_gather_into_tensor(b.flat, b.shard, tag=f"zero params {i}")
 
 
+
+@replaces("zero.step")
+@torch.no_grad()
+def gathers_into_a_copy(opt, closure=None):
+    """All-gathers each bucket into a new tensor and copies it into ``b.flat``: the same
+    values, one bucket's bytes more and a second pass, where the parameters are views of
+    ``flat`` and one all-gather into it updates them (Note [flat partition])."""
+    for i, b in enumerate(opt.buckets):
+        if b.pending:
+            opt._reduce(i)
+    opt.inner.step()
+    for i, b in enumerate(opt.buckets):
+        full = torch.empty_like(b.flat)
+        comm.all_gather_into_tensor(full, b.shard.detach().clone(), opt.group,
+                                    tag=f"zero params {i}")
+        b.flat.copy_(full)
+
 EXPECTED = {
     "sums_instead_of_averaging": dict(status="diverged", world_sizes=(2,), step=0,
                                       name="bucket 0: shard.grad",
@@ -192,4 +209,7 @@ EXPECTED = {
                                       name="bucket 0: shard.grad", hint="yours = expected × 2/3"),
     "gathers_over_the_default_group": dict(status="crash", world_sizes=(3,),
                                            where="lab03.py:166"),
+    "gathers_into_a_copy": dict(status="diverged", world_sizes=(2,), step=0, phase="step",
+                                name="each all-gather of the step writes into a bucket's flat",
+                                hint="straight into b.flat"),
 }
