@@ -423,8 +423,7 @@ def _managed_params(roots: tuple[nn.Module, ...], ignored: set[nn.Parameter]
                 raise ValueError(
                     f"{type(module).__name__}.{name} is shared with a module that an earlier "
                     "fully_shard already sharded; shard the modules that share a parameter in "
-                    "one fully_shard call: on their common parent, or as a list "
-                    "fully_shard([module_a, module_b])")
+                    "one fully_shard call (e.g. on their common parent)")
             found.setdefault(p, []).append((module, name))
         for child in module.children():
             visit(child)

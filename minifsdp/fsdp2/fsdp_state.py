@@ -81,10 +81,11 @@ Note [several modules, one group]: ``fully_shard([emb, head])`` (torch's list fo
 group of the parameters under several sibling modules -- one all-gather and one
 reduce-scatter a step where two calls would make two each -- e.g. a tied embedding and head
 (a parameter two modules hold must be in one group) without the rest of their parent, or
-small neighbours not worth a collective each. The modules share one ``FSDPState`` (``module._fsdp_state`` is the same
-object, as torch's ``fully_shard.state(m)``; each is class-swapped), and its hooks are on each
-of them, gated by the set of modules still to run this pass (``_to_run``, torch's
-``_modules_to_run_forward`` in ``_register_group_forward_hooks``, ``_fsdp_state.py``):
+small neighbours not worth a collective each. The modules share one ``FSDPState``
+(``module._fsdp_state`` is the same object, as torch's ``fully_shard.state(m)``; each is
+class-swapped), and its hooks are on each of them, gated by the set of modules still to run
+this pass (``_to_run``, torch's ``_modules_to_run_forward`` in
+``_register_group_forward_hooks``, ``_fsdp_state.py``):
   * pre-forward of any of them: refill ``_to_run`` if empty; the group is unsharded (a no-op
     after the first); only the first one this pass (state not yet FORWARD) counts backward
     events, wraps its inputs in the barrier and records the group in the forward order (and
@@ -355,17 +356,24 @@ class FSDPState:
             raise RuntimeError("reset_iter_state must be called on the root FSDP module (the "
                                f"one forward runs through first), not on this "
                                f"{type(self.module).__name__}")
+        self._forget_partial_forwards()  # Note [several modules, one group]
         for state in self.ctx.states:
             if state.group is not None:
                 state.group.reset_iter_state()
             state.training_state = TrainingState.IDLE
             state._pending, state._params_counted = 0, False
             state.post_forward_indices.clear()
-            state._to_run.clear()
         # the cut forward's order is partial: keep guessing from the last whole one
         self.ctx.forward_order = self.ctx.last_forward_order
         self.ctx.post_forward_order.clear()
         self.ctx.callback_queued = False  # a cut backward's callback never runs
+
+
+    def _forget_partial_forwards(self) -> None:
+        """A cut forward's groups of several modules forget which of them ran (torch's reset
+        clears ``_modules_to_run_forward``)."""
+        for state in self.ctx.states:
+            state._to_run.clear()
 
 
 class _PostBackwardBarrier(torch.autograd.Function):
