@@ -11,8 +11,9 @@ unevenly (GPT d_model 32 over 3 ranks, the CNN's fc2 10 rows over 4: 3, 3, 3, 1)
 padding is exercised. ``tests/workers/fsdp2_worker.py`` at N = 2 and 3 covers what train.py
 does not reach (frozen + trainable in one group, empty shards, an unused parameter,
 accumulation with and without sync, clipping, meta-device init, state dicts, errors, CPU
-offload against torch's ``CPUOffloadPolicy``). The in-process tests at the end use a world of
-one. 14 launches, each declared by the tests that read it (tests/jobs.py); the fixture
+offload against torch's ``CPUOffloadPolicy``); the list form ``fully_shard([m1, m2])`` has its
+own, ``fsdp2_multi_worker.py`` (N = 2 and 3). The in-process tests at the end use a world of
+one. 16 launches, each declared by the tests that read it (tests/jobs.py); the fixture
 ``launched`` runs ``PARALLEL`` at a time.
 """
 
@@ -67,6 +68,8 @@ def train_job(n: int, model: str, variant: str, strategy: str) -> Job:
 
 
 WORKERS = {n: Job(f"worker_{n}", WORKER, n) for n in (2, 3)}
+MULTI_WORKERS = {n: Job(f"multi_{n}", str(Path(WORKER).with_name("fsdp2_multi_worker.py")), n)
+                 for n in (2, 3)}
 
 
 def case_params(cases, *refs: str) -> list:
@@ -92,6 +95,12 @@ def train_run(launched):
 @fixture_of(*WORKERS.values())
 def worker(launched) -> dict[int, list[dict]]:
     return {n: launched[job].result().ranks for n, job in WORKERS.items()}
+
+
+@fixture_of(*MULTI_WORKERS.values())
+def multi(launched) -> dict[int, list[dict]]:
+    """tests/workers/fsdp2_multi_worker.py's ranks at N = 2 and 3: ``fully_shard([...])``."""
+    return {n: launched[job].result().ranks for n, job in MULTI_WORKERS.items()}
 
 
 # ---- parity ----------------------------------------------------------------------------------
@@ -767,3 +776,137 @@ def test_cpu_offload_meta_init_trains_as_without(mesh):
         trained.append({k: v.full_tensor() for k, v in model.state_dict().items()})
     assert_bitwise(trained[0], trained[1], names=("offload", "no offload"))
     assert max_abs_diff(trained[0], full) > 1e-3  # it trained
+
+
+# ---- the list form: fully_shard([m1, m2]) (Note [several modules, one group]) --------------
+
+def test_list_form_unshards_before_the_first_and_reshards_after_the_last(mesh):
+    """One group over ``head`` and ``emb`` (listed in the reverse of their run order): it is
+    unsharded from the pre-forward of ``emb`` (which runs first) through the blocks in
+    between to the post-forward of ``head``; the two modules share one state, both are
+    class-swapped, the same list comes back, and its gradients equal plain autograd's."""
+    torch.manual_seed(0)
+    ref = nn.ModuleDict({"emb": nn.Linear(4, 6), "mid": nn.Linear(6, 6), "head": nn.Linear(6, 3)})
+    model = nn.ModuleDict({k: nn.Linear(m.in_features, m.out_features) for k, m in ref.items()})
+    model.load_state_dict(ref.state_dict())
+    seen = []
+
+    def run(m, x):
+        return m["head"](torch.tanh(m["mid"](torch.tanh(m["emb"](x)))))
+
+    listed = [model["head"], model["emb"]]
+    assert fully_shard(listed, mesh=mesh) is listed
+    fully_shard(model["mid"], mesh=mesh)
+    state = model["emb"].fsdp_state
+    assert model["head"].fsdp_state is state and state.group.name == "Linear, Linear"
+    assert all(isinstance(m, FSDPModule) for m in listed) and len(state.group.fsdp_params) == 4
+    for name in ("emb", "mid", "head"):  # the group's sharded state as each module starts
+        model[name].register_forward_pre_hook(
+            lambda m, a, name=name: seen.append((name, state.group.sharded_state.name)))
+    model["head"].register_forward_hook(
+        lambda *_: seen.append(("after head", state.group.sharded_state.name)))
+    x = torch.randn(5, 4)
+    fully_shard(model, mesh=mesh)  # a root over them (the list's state cannot be one)
+    model.forward = lambda x: run(model, x)
+    model(x).square().sum().backward()
+    run(ref, x).square().sum().backward()
+    assert seen == [("emb", "UNSHARDED"), ("mid", "UNSHARDED"), ("head", "UNSHARDED"),
+                    ("after head", "SHARDED")], seen
+    assert state.group.name == "emb, head"  # named at lazy init, as torch's _module_fqn
+    parity.assert_bitwise({k: p.grad.full_tensor() for k, p in model.named_parameters()},
+                          {k: q.grad for k, q in ref.named_parameters()},
+                          names=("fully_shard([head, emb])", "autograd"))
+
+
+def test_worker_list_form_trains_like_torch(multi):
+    """``Pair`` (``fully_shard([head, emb])`` around two blocks, a group each, and the root's
+    norm), ``Experts`` (two sibling experts on one input as one group) and ``Chunked`` (Pair
+    whose loss calls ``head`` on two halves after the model's forward): losses, gradients and
+    parameters equal torch's bit for bit at every one of 3 steps, every rank, N = 2 and 3; the
+    group's shards are uneven and, at N = 3, empty (``head``'s 4 rows: 2, 2, 0)."""
+    for n, ranks in multi.items():
+        for r in ranks:
+            for name in ("pair", "experts", "chunked"):
+                assert r[name]["first_divergence"] is None, r[name]["first_divergence"]
+            group = r["pair"]["groups"]["emb, head"]
+            assert group["modules"] == ["emb", "head"]
+            rows = [len(c) for c in torch.arange(10).chunk(n)] + [0] * n  # emb.weight's
+            head_rows = ([len(c) for c in torch.arange(4).chunk(n)] + [0] * n)[r["rank"]]
+            assert group["rows"] == {"emb.weight": rows[r["rank"]], "emb.bias": rows[r["rank"]],
+                                     "head.weight": head_rows, "head.bias": head_rows}, group
+        if n == 3:
+            assert ranks[2]["pair"]["groups"]["emb, head"]["rows"]["head.weight"] == 0
+
+
+def order_line(where: str, ours: list[str], theirs: list[str]) -> str:
+    """The first place two collective sequences differ, in one line."""
+    i = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours),
+                                                                              len(theirs)))
+    at = lambda ops: repr(ops[i]) if i < len(ops) else "nothing"  # noqa: E731
+    return (f"{where}: collective {i} differs: fsdp2 {at(ours)}, torch {at(theirs)} "
+            f"(the {i} before agree; fsdp2 {len(ours)}, torch {len(theirs)} in all)")
+
+
+def test_worker_list_form_collectives_are_torchs(multi):
+    """The list form's group issues one all-gather in forward (before ``emb``, the first of
+    its modules to run; none before ``head``), one in backward (it was resharded after
+    ``head``) and ONE reduce-scatter a step, as torch's: the all-gathers equal torch's in
+    order, and so do the reduce-scatters, but for the root's, which ours issues when its last
+    gradient is in and torch's at the end of backward (Note [when is a group's backward
+    over?]); ``Experts``' collectives equal torch's one for one. ``Chunked`` pins where we
+    stop following torch: there torch's group reduce-scatters when the first chunk's
+    backward is done, gathers again for the pre-backward and reduce-scatters again at the
+    end (3 all-gathers, 2 reduce-scatters a step); ours waits for all its gradients (2, 1),
+    with the same numbers (test above)."""
+    def count(ops, op, group):
+        return sum(o == f"{op} {group}" for o in ops)
+
+    for ranks in multi.values():
+        for r in ranks:
+            ops = r["pair"]["ops"]
+            for step, (ours, theirs) in enumerate(zip(ops["ours"], ops["torch"])):
+                where = f"N = {r['world_size']}, rank {r['rank']}, step {step}"
+                ag = {k: [o for o in v if o.startswith("AG")] for k, v in
+                      (("ours", ours), ("torch", theirs))}
+                assert ag["ours"] == ag["torch"], order_line(where, ag["ours"], ag["torch"])
+                rs = {k: [o for o in v if o.startswith("RS") and o != "RS root"] for k, v in
+                      (("ours", ours), ("torch", theirs))}
+                assert rs["ours"] == rs["torch"], order_line(where, rs["ours"], rs["torch"])
+                assert sorted(ours) == sorted(theirs), (where, ours, theirs)
+                for side in (ours, theirs):
+                    assert count(side, "AG", "emb, head") == 2, (where, side)
+                    assert count(side, "RS", "emb, head") == 1, (where, side)
+            ops = r["experts"]["ops"]
+            for step, (ours, theirs) in enumerate(zip(ops["ours"], ops["torch"])):
+                assert ours == theirs, order_line(
+                    f"Experts, N = {r['world_size']}, rank {r['rank']}, step {step}", ours, theirs)
+            assert all(count(s, "RS", "experts.0, experts.1") == 1 for s in ops["ours"]), ops
+            ops = r["chunked"]["ops"]
+            for ours, theirs in zip(ops["ours"], ops["torch"]):
+                assert (count(ours, "AG", "emb, head"), count(ours, "RS", "emb, head")) == (2, 1)
+                assert (count(theirs, "AG", "emb, head"),
+                        count(theirs, "RS", "emb, head")) == (3, 2)
+                assert [o for o in ours if "emb, head" not in o and o != "RS root"] == [
+                    o for o in theirs if "emb, head" not in o and o != "RS root"]
+
+
+def test_worker_list_form_returns_and_errors(multi):
+    """Ours returns what torch's does (the same list; each module class-swapped; a listed
+    module inside another listed one covered by it, not swapped). Misuse: torch's raises too
+    (an IndexError, AssertionErrors, a ValueError at the first forward), ours a ValueError or
+    TypeError naming the module or parameter at ``fully_shard``, and both refuse a list's
+    group as the root."""
+    for ranks in multi.values():
+        for r in ranks:
+            assert r["returns"]["ours"] == r["returns"]["torch"], r["returns"]
+            assert r["returns"]["ours"]["nested_swapped"] == [True, False]
+            e = r["errors"]
+            assert all(e[f"torch_{k}"] for k in ("empty", "already", "twice", "shared", "root"))
+            assert "list of modules is empty" in e["ours_empty"]
+            assert "already applied to this module[1], FSDPLinear" in e["ours_already"]
+            assert "module[1] (Linear) is listed twice" in e["ours_twice"]
+            assert e["ours_shared"].startswith("ValueError: Linear.weight is shared")
+            assert "in one fully_shard call" in e["ours_shared"]
+            assert e["ours_root"].startswith("RuntimeError") and "root" in e["ours_root"]
+            assert "the group of FSDPLinear, FSDPLinear" in e["ours_root"]
+            assert "module[1] is a int, not an nn.Module" in e["ours_not_a_module"]

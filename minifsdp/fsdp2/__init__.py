@@ -38,11 +38,15 @@ Usage::
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)   # works on DTensor grads
     sd = full_state_dict(model)                   # plain full tensors on every rank
 
+Several modules, one group (torch's list form): ``fully_shard([model.tok_emb, model.head],
+mesh=mesh)`` before the root's call -- one all-gather before whichever runs first, resharded
+after the last, one reduce-scatter (Note [several modules, one group]).
+
 Notes to cite: [the tensors of one parameter], [dim-0 chunks], [padding], [who owns the shard's
 storage] (fsdp_param.py); [copy-in and copy-out], [freeing with resize_], [version counter],
 [FSDP2 memory categories], [accumulating without communication], [unused parameters in a group],
 [no all-gather in backward] (fsdp_param_group.py); [when is a group's backward over?], [not the
-last backward] (fsdp_state.py); [bottom-up], [the
+last backward], [several modules, one group] (fsdp_state.py); [bottom-up], [the
 class swap], [state dicts], [meta-device init] (api.py); [issue and wait], [which group is
 next], [same order on every rank], [mistargeted prefetches], [prefetch memory], [prefetch on
 GPUs] (prefetch.py); [mixed precision], [gloo dtypes], [divide factor] (mixed_precision.py),

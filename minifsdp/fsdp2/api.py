@@ -64,7 +64,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from minifsdp.fsdp2.fsdp_param import CPUOffloadPolicy, OffloadPolicy, Owners, chunk_dim0
 from minifsdp.fsdp2.fsdp_param_group import FSDPParamGroup
-from minifsdp.fsdp2.fsdp_state import FSDPState
+from minifsdp.fsdp2.fsdp_state import FSDPState, listed_modules
 from minifsdp.fsdp2.hsdp import mesh_info
 from minifsdp.fsdp2.mixed_precision import MixedPrecisionPolicy, register_forward_casts
 from minifsdp.fsdp2.prefetch import UnshardHandle
@@ -296,7 +296,8 @@ class FSDPModule:
 
     def _groups(self, recurse: bool) -> list[FSDPParamGroup]:
         modules = self.modules() if recurse else [self]
-        states = [m.fsdp_state for m in modules if isinstance(m, FSDPModule)]
+        # dict: a state of several modules once (Note [several modules, one group])
+        states = dict.fromkeys(m.fsdp_state for m in modules if isinstance(m, FSDPModule))
         return [s.group for s in states if s.group is not None]
 
 
@@ -326,13 +327,21 @@ _NO_MIXED_PRECISION = MixedPrecisionPolicy()  # frozen, so one instance can be t
 _NO_OFFLOAD = OffloadPolicy()  # no fields: nothing to mutate (torch's default is one too)
 
 
-def fully_shard(module: nn.Module, *, mesh: DeviceMesh | None = None,
+def fully_shard(module: nn.Module | list[nn.Module], *, mesh: DeviceMesh | None = None,
                 reshard_after_forward: bool | int | None = None,
                 mp_policy: MixedPrecisionPolicy = _NO_MIXED_PRECISION,
                 offload_policy: OffloadPolicy = _NO_OFFLOAD,
-                ignored_params: set[nn.Parameter] | None = None) -> nn.Module:
+                ignored_params: set[nn.Parameter] | None = None
+                ) -> nn.Module | list[nn.Module]:
     """Shard ``module``'s parameters (those no nested ``fully_shard`` took) on dim 0 over
     ``mesh`` as one group, install the hooks, and return the same module (Note [bottom-up]).
+
+    ``module`` may be a list ``[m1, m2, ...]`` (torch's list form): ONE group of the
+    parameters under all of them, all-gathered before the first of them runs forward and
+    resharded after the last; one all-gather and one reduce-scatter a step for the lot. Each
+    is class-swapped and they share one state; the same list is returned. A listed module
+    inside another listed one is covered by it (as torch). Such a group cannot be the root:
+    shard their parent too (Note [several modules, one group] in ``fsdp_state.py``).
 
     Args:
         mesh: a 1-D ``DeviceMesh`` (shard over its ranks), or a 2-D one with
@@ -370,29 +379,39 @@ def fully_shard(module: nn.Module, *, mesh: DeviceMesh | None = None,
         >>> _ = fully_shard(model[0]), fully_shard(model)
         >>> type(model).__name__, type(model[1].weight).__name__, model[1].weight.shape
         ('FSDPSequential', 'DTensor', torch.Size([2, 4]))
+
+    The list form: the (4, 8) weights and (4,) biases of ``emb`` and ``head``, one group of
+    72 elements (``mid``, between them in forward, may have its own)::
+
+        >>> net = nn.ModuleDict({"emb": nn.Linear(8, 4), "mid": nn.Linear(4, 8),
+        ...                      "head": nn.Linear(8, 4)})
+        >>> pair = fully_shard([net["emb"], net["head"]])
+        >>> pair[0].fsdp_state is pair[1].fsdp_state, len(pair[0].fsdp_state.group.fsdp_params)
+        (True, 4)
     """
-    if isinstance(module, FSDPModule):
-        raise ValueError(f"fully_shard was already applied to this {type(module).__name__}; "
-                         "apply it once per module, children before parents")
+    roots = listed_modules(module)  # Note [several modules, one group]
     if mesh is None:
         device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
         mesh = init_device_mesh(device_type, (dist.get_world_size(),))
     mesh_info(mesh)  # refuses a mesh that is neither FSDP's 1-D nor HSDP's 2-D, before changes
     _check_offload_policy(offload_policy)
-    params = _managed_params(module, ignored_params or set())
+    params = _managed_params(roots, ignored_params or set())
     for p, owners in params:
         if p.device.type not in (mesh.device_type, "meta"):
             module_, name = owners[0]
             raise ValueError(f"{type(module_).__name__}.{name} is on {p.device}, the mesh on "
                              f"{mesh.device_type}: move the module to the device first")
-    group = FSDPParamGroup(params, mesh, reshard_after_forward, type(module).__name__,
-                           mp_policy, offload_policy) if params else None
-    module.__dict__["_fsdp_state"] = FSDPState(module, group)
-    register_forward_casts(module, mp_policy)  # after FSDPState's hooks (see its docstring)
-    cls = module.__class__
-    if cls not in _FSDP_CLASSES:
-        _FSDP_CLASSES[cls] = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {})
-    module.__class__ = _FSDP_CLASSES[cls]
+    name = ", ".join(type(m).__name__ for m in roots)  # until lazy init names it
+    group = FSDPParamGroup(params, mesh, reshard_after_forward, name, mp_policy,
+                           offload_policy) if params else None
+    state = FSDPState(roots, group)
+    for m in roots:
+        m.__dict__["_fsdp_state"] = state
+        register_forward_casts(m, mp_policy)  # after FSDPState's hooks (see its docstring)
+        cls = m.__class__
+        if cls not in _FSDP_CLASSES:
+            _FSDP_CLASSES[cls] = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {})
+        m.__class__ = _FSDP_CLASSES[cls]
     return module
 
 
@@ -410,15 +429,16 @@ def _check_offload_policy(policy: object) -> None:
                            "accelerator; pass CPUOffloadPolicy(pin_memory=False)")
 
 
-def _managed_params(root: nn.Module, ignored: set[nn.Parameter]
+def _managed_params(roots: tuple[nn.Module, ...], ignored: set[nn.Parameter]
                     ) -> list[tuple[nn.Parameter, Owners]]:
-    """The parameters in ``root``'s subtree outside nested ``fully_shard`` modules and not in
-    ``ignored``, in ``named_parameters`` order, each with every (module, name) holding it."""
+    """The parameters in the ``roots``' subtrees outside nested ``fully_shard`` modules and
+    not in ``ignored``, in ``named_parameters`` order (root by root), each with every
+    (module, name) holding it."""
     found: dict[nn.Parameter, Owners] = {}
     seen: set[nn.Module] = set()
 
     def visit(module: nn.Module) -> None:
-        if module in seen or (module is not root and isinstance(module, FSDPModule)):
+        if module in seen or (module not in roots and isinstance(module, FSDPModule)):
             return  # a module shared twice, or one a nested fully_shard manages
         seen.add(module)
         for name, p in module._parameters.items():
@@ -433,7 +453,8 @@ def _managed_params(root: nn.Module, ignored: set[nn.Parameter]
         for child in module.children():
             visit(child)
 
-    visit(root)
+    for root in roots:
+        visit(root)
     return list(found.items())
 
 

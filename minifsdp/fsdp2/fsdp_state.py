@@ -77,6 +77,36 @@ flag in the root's context, shared by every module under it after the first forw
 it on the root (before the first forward, a non-root's setting is lost at lazy init, as in
 torch).
 
+Note [several modules, one group]: ``fully_shard([emb, head])`` (torch's list form) makes ONE
+group of the parameters under several sibling modules -- one all-gather and one
+reduce-scatter a step where two calls would make two each -- e.g. a tied embedding and head
+(a parameter two modules hold must be in one group) without the rest of their parent, or
+small neighbours not worth a collective each. The modules share one ``FSDPState``
+(``module._fsdp_state`` is the same object, as torch's ``fully_shard.state(m)``; each is
+class-swapped), and its hooks are on each of them, gated by the set of modules still to run
+this pass (``_to_run``, torch's ``_modules_to_run_forward`` in
+``_register_group_forward_hooks``, ``_fsdp_state.py``):
+  * pre-forward of any of them: refill ``_to_run`` if empty; the group is unsharded (a no-op
+    after the first); only the first one this pass (state not yet FORWARD) counts backward
+    events, wraps its inputs in the barrier and records the group in the forward order (and
+    issues forward prefetches) -- so ``emb`` all-gathers, and ``head`` finds it unsharded.
+  * post-forward: ``head`` leaves ``_to_run``; only the one that empties it finishes the
+    forward: reshard, record the post-forward order, hook its outputs for the pre-backward.
+    In between (the blocks' forwards) the group stays unsharded: one group's memory for the
+    whole span, the price of its one all-gather.
+  * a module that did not run (a chunked loss calls ``head`` after the model's forward): the
+    root's post-forward finishes such groups on its own output (torch's
+    ``_force_complete_incomplete_states``), so the next pass starts clean.
+Backward is unchanged: the pre-backward runs once per pass (on the last module's outputs),
+and the post-backward counts the group's parameters and the first module's inputs (Note
+[when is a group's backward over?]). Such a state cannot be the root (it has no single
+module to run forward first through), which torch refuses too. Where we part from torch:
+with a chunked loss, torch's group reduce-scatters when the barrier on the first chunk's
+input fires, all-gathers again for the pre-backward the root's output triggers, and
+reduce-scatters the rest at the end (3 all-gathers and 2 reduce-scatters a step for it);
+ours waits for all of the group's gradients (2 and 1), with the same numbers
+(tests/test_fsdp2.py pins both).
+
 Not handled (torch does): moving the inputs to the device, and several roots sharing one
 backward.
 """
@@ -123,8 +153,10 @@ class FSDPState:
         module.__dict__["_fsdp_state"] = state
     """
 
-    def __init__(self, module: nn.Module, group: FSDPParamGroup | None):
-        self.module, self.group = module, group
+    def __init__(self, module: nn.Module | tuple[nn.Module, ...], group: FSDPParamGroup | None):
+        self.modules = tuple(module) if isinstance(module, (tuple, list)) else (module,)
+        self.module, self.group = self.modules[0], group
+        self._to_run: set[nn.Module] = set()  # Note [several modules, one group]
         self.is_root: bool | None = None  # decided at the first forward (lazy init)
         self.ctx = _RootContext()
         self.training_state = TrainingState.IDLE
@@ -137,13 +169,19 @@ class FSDPState:
         self.backward_prefetch: list[FSDPState] = []
         self.implicit_forward_prefetch, self.implicit_backward_prefetch = False, True
         self.post_forward_indices: list[int] = []
-        module.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True)
-        module.register_forward_hook(self._post_forward)
-        # a state dict holds the sharded DTensors: reshard first (e.g. after an eval
-        # forward, where the root keeps its unsharded parameters)
-        module.register_state_dict_pre_hook(lambda *_: self._reshard())
-        module.register_load_state_dict_pre_hook(lambda *_: self._reshard())
-        module.register_load_state_dict_post_hook(self._check_loaded_in_place)
+        for m in self.modules:
+            if len(self.modules) == 1:
+                m.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True)
+                m.register_forward_hook(self._post_forward)
+            else:  # Note [several modules, one group]
+                m.register_forward_pre_hook(self._group_pre_forward, prepend=True,
+                                            with_kwargs=True)
+                m.register_forward_hook(self._group_post_forward)
+            # a state dict holds the sharded DTensors: reshard first (e.g. after an eval
+            # forward, where the root keeps its unsharded parameters)
+            m.register_state_dict_pre_hook(lambda *_: self._reshard())
+            m.register_load_state_dict_pre_hook(lambda *_: self._reshard())
+            m.register_load_state_dict_post_hook(self._check_loaded_in_place)
 
     def _reshard(self) -> None:
         if self.group is not None:
@@ -160,19 +198,30 @@ class FSDPState:
     def _lazy_init(self) -> None:
         """The first state to run forward is the root: it finds every state below it, shares
         its context with them and initializes their groups."""
+        if len(self.modules) > 1:  # Note [several modules, one group]
+            raise RuntimeError(
+                "fully_shard: the group of "
+                f"{', '.join(type(m).__name__ for m in self.modules)} (one fully_shard([...]) "
+                "call) ran forward first, so it would be the root, which needs a single "
+                "module: apply fully_shard to their common parent too, and run forward "
+                "through it")
         self.is_root = True
+        names: dict[FSDPState, list[str]] = {}  # a state of several modules comes up again
         for name, module in self.module.named_modules():
             state = module.__dict__.get("_fsdp_state")
             if state is None:
                 continue
-            if state is not self:
-                if state.is_root is not None:
-                    raise RuntimeError(f"fully_shard: {name!r} ran forward before the root "
-                                       "module; run forward through the root first")
-                state.is_root, state.ctx = False, self.ctx
-            self.ctx.states.append(state)
+            if state not in names:
+                if state is not self:
+                    if state.is_root is not None:
+                        raise RuntimeError(f"fully_shard: {name!r} ran forward before the "
+                                           "root module; run forward through the root first")
+                    state.is_root, state.ctx = False, self.ctx
+                self.ctx.states.append(state)
+            names.setdefault(state, []).append(name or "root")
+        for state in self.ctx.states:
             if state.group is not None:
-                state.group.name = name or "root"
+                state.group.name = ", ".join(names[state])  # torch's _module_fqn
                 state.group.lazy_init(is_root=state is self)
 
     # ---- forward -----------------------------------------------------------------------------
@@ -187,26 +236,53 @@ class FSDPState:
             self._lazy_init()
         if self.is_root:
             prefetch.begin_forward(self.ctx)
+        # the first of the group's modules this pass (always, for one module): Note
+        # [several modules, one group]
+        first = self.training_state is not TrainingState.FORWARD
         self.training_state = TrainingState.FORWARD
         if self.group is not None:
             self.group.pre_forward()
-            if torch.is_grad_enabled():
+            if first and torch.is_grad_enabled():
                 args, kwargs = self._register_post_backward(args, kwargs)
-        prefetch.after_pre_forward(self)  # after our own all-gather: issue the next
+        if first:
+            prefetch.after_pre_forward(self)  # after our own all-gather: issue the next
         return args, kwargs
 
     def _post_forward(self, module: nn.Module, args: tuple, output: Any) -> Any:
         if _in_backward():  # Note [recomputed in backward]: the group's backward reshards
             return output
+        self._finish_forward(output)
+        if self.is_root:  # groups whose modules did not all run: Note [several modules, ...]
+            for state in reversed(self.ctx.states):
+                if state._to_run:
+                    state._to_run.clear()
+                    state._finish_forward(output)
+            prefetch.end_forward(self.ctx)
+        return output
+
+    def _finish_forward(self, output: Any) -> None:
+        """Reshard, record the post-forward order, hook ``output`` for the pre-backward."""
         if self.group is not None:
             self.group.post_forward()
         prefetch.after_post_forward(self)
-        if self.is_root:
-            prefetch.end_forward(self.ctx)
         if torch.is_grad_enabled():
             for t in _tensors_requiring_grad(output):
                 t.register_hook(self._pre_backward)
         self.training_state = TrainingState.IDLE
+
+    def _group_pre_forward(self, module: nn.Module, args: tuple, kwargs: dict
+                           ) -> tuple[tuple, dict]:
+        """Any module of a group of several: Note [several modules, one group]."""
+        if not self._to_run:
+            self._to_run.update(self.modules)
+        return self._pre_forward(module, args, kwargs)
+
+    def _group_post_forward(self, module: nn.Module, args: tuple, output: Any) -> Any:
+        """Only the module that completes the pass finishes the group's forward."""
+        if module in self._to_run:
+            self._to_run.discard(module)
+            if not self._to_run:
+                return self._post_forward(module, args, output)
         return output
 
     # ---- backward ----------------------------------------------------------------------------
@@ -266,6 +342,7 @@ class FSDPState:
                 state.group.finalize_backward()
             state.training_state = TrainingState.IDLE
             state._pending, state._params_counted = 0, False
+            state._to_run.clear()
         if self.ctx.is_last_backward:
             prefetch.end_backward(self.ctx)
         self.ctx.callback_queued = False
@@ -279,6 +356,7 @@ class FSDPState:
             raise RuntimeError("reset_iter_state must be called on the root FSDP module (the "
                                f"one forward runs through first), not on this "
                                f"{type(self.module).__name__}")
+        self._forget_partial_forwards()  # Note [several modules, one group]
         for state in self.ctx.states:
             if state.group is not None:
                 state.group.reset_iter_state()
@@ -289,6 +367,13 @@ class FSDPState:
         self.ctx.forward_order = self.ctx.last_forward_order
         self.ctx.post_forward_order.clear()
         self.ctx.callback_queued = False  # a cut backward's callback never runs
+
+
+    def _forget_partial_forwards(self) -> None:
+        """A cut forward's groups of several modules forget which of them ran (torch's reset
+        clears ``_modules_to_run_forward``)."""
+        for state in self.ctx.states:
+            state._to_run.clear()
 
 
 class _PostBackwardBarrier(torch.autograd.Function):
@@ -313,6 +398,37 @@ def _in_backward() -> bool:
 
 def _tensors_requiring_grad(tree: Any) -> list[torch.Tensor]:
     return [t for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+
+
+def listed_modules(module: nn.Module | list[nn.Module]) -> tuple[nn.Module, ...]:
+    """``(module,)``, or a list's modules less those inside another listed one (torch's
+    ``_get_root_modules``), each refused if a ``fully_shard`` already took it (``fully_shard``'s
+    argument; Note [several modules, one group])."""
+    if isinstance(module, nn.Module):
+        listed = [module]
+    elif isinstance(module, (list, tuple)):
+        listed = list(module)
+        if not listed:
+            raise ValueError("fully_shard([]): the list of modules is empty; pass at least one "
+                             "module")
+        for i, m in enumerate(listed):
+            if not isinstance(m, nn.Module):
+                raise TypeError(f"fully_shard: module[{i}] is a {type(m).__name__}, not an "
+                                "nn.Module")
+            if any(m is other for other in listed[:i]):
+                raise ValueError(f"fully_shard: module[{i}] ({type(m).__name__}) is listed "
+                                 "twice; list each module once")
+    else:
+        raise TypeError(f"fully_shard takes an nn.Module or a list of them, got "
+                        f"{type(module).__name__}")
+    for i, m in enumerate(listed):
+        if "_fsdp_state" in m.__dict__:
+            where = "" if isinstance(module, nn.Module) else f"module[{i}], "
+            raise ValueError(f"fully_shard was already applied to this {where}"
+                             f"{type(m).__name__}; apply it once per module, children before "
+                             "parents")
+    return tuple(m for m in listed
+                 if not any(o is not m and any(d is m for d in o.modules()) for o in listed))
 
 
 def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
