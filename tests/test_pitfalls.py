@@ -58,6 +58,9 @@ def test_tied_weight_split_over_groups_is_refused_and_one_group_trains_like_torc
         assert "shared" in t["refused"]["ours"]["error"], t["refused"]
         assert t["tied"] == {"ours": True, "torch": True, "one": True}, t["tied"]
         assert t["vs_torch"] is None, t["vs_torch"]
+        assert t["list_tied"] == {"ours": True, "torch": True}, t["list_tied"]
+        assert t["list_vs_torch"] is None, t["list_vs_torch"]
+        assert t["vs_one"] < 1e-5 and t["list_vs_one"] < 1e-5, t
         assert t["vs_one"] < 1e-5, t["vs_one"]
 
 

@@ -24,8 +24,9 @@ Per rank it reports:
   root's layers itself, on ours and torch's, without registering it (the error each raises)
   and with (the tokens, against torch's and against one process's).
 - ``tied``: an embedding and a head sharing one weight, the head sharded as a group of its
-  own (where ours and torch's refuse it, and with what), then both in the root's group: 3 SGD
-  steps against torch's and one process's, and whether the tie still holds.
+  own (where ours and torch's refuse it, and with what), then both in one group, the root's
+  or their own (the list form ``fully_shard([emb, head])``, ``list_*``): 3 SGD steps against
+  torch's and one process's, and whether the tie still holds.
 """
 
 from __future__ import annotations
@@ -347,8 +348,9 @@ class Tied(nn.Module):
 
 def tied() -> dict:
     """The head as a group of its own (the tie split over two groups): where ours and torch's
-    refuse it, and with what; then the fix, the tied modules in one group (the root's), 3 SGD
-    steps against torch's and one process's."""
+    refuse it, and with what; then the two fixes, the tied modules in one group: the root's, or
+    their own by the list form ``fully_shard([emb, head])``; 3 SGD steps each against torch's
+    and one process's."""
     out = {"refused": {}}
     x, y = tokens_batch(0)
     x, y = x.chunk(N)[rank], y.chunk(N)[rank].clamp(min=0)
@@ -364,12 +366,18 @@ def tied() -> dict:
         except ValueError as e:
             out["refused"][name] = {"where": where, "error": str(e).splitlines()[0]}
     params, tie = {}, {}
-    for name, fs in [*IMPLS.items(), ("one", None)]:
+    runs = [*((f"{k} root", v) for k, v in IMPLS.items()),
+            *((f"{k} list", v) for k, v in IMPLS.items()), ("one", None)]
+    for name, fs in runs:
         torch.manual_seed(0)
         model = Tied().to(info.device)
-        if fs is not None:
+        if fs is not None and name.endswith("list"):  # torch's advice: one group, two modules
+            fs([model.emb, model.head], mesh=mesh)
             fs(model.body, mesh=mesh)
-            fs(model, mesh=mesh)  # emb and head: one group, one parameter
+            fs(model, mesh=mesh)
+        elif fs is not None:
+            fs(model.body, mesh=mesh)
+            fs(model, mesh=mesh)  # emb and head: one group (the root's), one parameter
         opt = torch.optim.SGD(model.parameters(), lr=0.5)
         for step in range(STEPS):
             gx, gy = tokens_batch(step)
@@ -380,10 +388,15 @@ def tied() -> dict:
             opt.zero_grad()
         params[name] = full(model)
         tie[name] = model.head.weight is model.emb.weight
-    return {**out, "tied": tie,
-            "vs_torch": divergence_line(params["ours"], params["torch"], names=("fsdp2", "torch"),
-                                        where=f"rank {rank}"),
-            "vs_one": max_abs_diff(params["ours"], params["one"])}
+    return {**out, "tied": {k.removesuffix(" root"): v for k, v in tie.items()
+                            if not k.endswith("list")},
+            "list_tied": {k.removesuffix(" list"): v for k, v in tie.items() if k.endswith("list")},
+            "vs_torch": divergence_line(params["ours root"], params["torch root"],
+                                        names=("fsdp2", "torch"), where=f"rank {rank}"),
+            "vs_one": max_abs_diff(params["ours root"], params["one"]),
+            "list_vs_torch": divergence_line(params["ours list"], params["torch list"],
+                                             names=("fsdp2", "torch"), where=f"rank {rank}"),
+            "list_vs_one": max_abs_diff(params["ours list"], params["one"])}
 
 
 def mismatched_reduce_scatter() -> None:
