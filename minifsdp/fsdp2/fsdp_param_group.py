@@ -113,6 +113,7 @@ from minifsdp.fsdp2.fsdp_param import FSDPParam, OffloadPolicy, Owners
 from minifsdp.fsdp2.hsdp import mesh_info, post_forward_info
 from minifsdp.fsdp2.mixed_precision import MixedPrecisionPolicy, check_backend, group_dtypes
 from minifsdp.fsdp2.reduce import foreach_reduce
+from minifsdp.fsdp2.shard_placement import cat_on_shard_dims, stage_shard_dim_outs
 from minifsdp.memory import tag
 
 
@@ -149,6 +150,9 @@ class FSDPParamGroup:
             none, as ``MixedPrecisionPolicy()``.
         offload_policy: ``CPUOffloadPolicy()`` keeps the shards and their gradients in CPU
             memory (Note [FSDP2 CPU offload] in ``fsdp_param.py``); ``None``: no offload.
+        shard_dims: the dim each parameter is cut on (``fully_shard``'s ``shard_placement_fn``,
+            checked by ``resolve_shard_dims``: Note [Shard(i) layout] in
+            ``shard_placement.py``); ``None``: dim 0 for all.
 
     Example (inside a torchrun worker, N ranks)::
 
@@ -160,7 +164,8 @@ class FSDPParamGroup:
     def __init__(self, params: list[tuple[nn.Parameter, Owners]], mesh: DeviceMesh,
                  reshard_after_forward: bool | int | None, name: str,
                  mp_policy: MixedPrecisionPolicy | None = None,
-                 offload_policy: OffloadPolicy | None = None):
+                 offload_policy: OffloadPolicy | None = None,
+                 shard_dims: list[int] | None = None):
         self.mp_policy = mp_policy or MixedPrecisionPolicy()
         # check the dtypes before FSDPParam replaces any parameter: an error leaves the
         # module as it was
@@ -175,8 +180,8 @@ class FSDPParamGroup:
         self.has_extensions = bool(self.extension_params)
         self.set_reshard_after_forward(reshard_after_forward)  # refuses a bad k
         check_backend(self.dtypes, info.shard_group, mesh.device_type, name)
-        self.fsdp_params = [FSDPParam(p, owners, info, self.mp_policy, offload_policy)
-                            for p, owners in params]
+        self.fsdp_params = [FSDPParam(p, owners, info, self.mp_policy, offload_policy, d)
+                            for (p, owners), d in zip(params, shard_dims or [0] * len(params))]
         self.mesh, self.process_group = mesh, info.shard_group
         self.rank, self.world_size = info.shard_rank, info.shard_size
         self.replicate_group = info.replicate_group  # HSDP's all-reduce; None on a 1-D mesh
@@ -320,15 +325,19 @@ class FSDPParamGroup:
         """Copy each parameter's ``world`` padded pieces from the rank-major buffer into its
         own unsharded buffer (Notes [copy-in and copy-out], [freeing with resize_], [version
         counter]). ``gathered.view(world, S)`` row r is rank r's slot; column block i is
-        parameter i. ``world`` is N, or k after ``reshard_after_forward=k``."""
+        parameter i. ``world`` is N, or k after ``reshard_after_forward=k``. A Shard(i), i > 0,
+        parameter's pieces go to a staging buffer, then into place (Note [Shard(i) layout] in
+        ``shard_placement.py``)."""
         outs = []
         for p in self.fsdp_params:
             buf = p.alloc_unsharded()
             tag(buf, "params", label=self.name)  # Note [labels] in minifsdp/memory.py
             outs.append(buf.view(world, -1))
         sizes = [p.padded_shard_numel * self.world_size // world for p in self.fsdp_params]
+        staged = stage_shard_dim_outs(self.fsdp_params, outs)  # Note [Shard(i) layout]
         with torch.autograd._unsafe_preserve_version_counter(tuple(outs)):
             torch.split_with_sizes_copy(gathered.view(world, -1), sizes, dim=1, out=outs)
+        cat_on_shard_dims(staged, world)
 
     @torch.no_grad()
     def _post_forward_copy_in(self) -> tuple[torch.Tensor, torch.Tensor]:
