@@ -349,15 +349,16 @@ def fully_shard(module: nn.Module, *, mesh: DeviceMesh | None = None,
             True, except for the root, whose parameters backward needs first. An int k
             (a divisor of the shard size): keep 1/k of them, all-gathered over k ranks in
             backward (Note [reshard to k ranks] in ``hsdp.py``).
-        shard_placement_fn: ``(nn.Parameter) -> Shard | None``, called once per parameter,
-            as torch 2.14's: ``Shard(i)`` cuts that parameter on dim i instead of 0 (negative
+        shard_placement_fn: ``(nn.Parameter) -> Shard | None``, as torch 2.14's (ours calls
+            it once per parameter, torch's twice): ``Shard(i)`` cuts it on dim i, not 0 (negative
             i from the end; its DTensor's placement is ``Shard(i)``, HSDP's ``(Replicate(),
             Shard(i))``), ``None`` keeps ``Shard(0)``. E.g. a stacked experts weight ``(E, d,
             h)`` with fewer experts than ranks, cut on ``h`` so every rank holds a slice of
-            each expert. As torch: i > 0 only if the shard size divides dim i (no padding), and
-            not with an int ``reshard_after_forward`` (torch's backward fails); a result
-            other than ``Shard``/``None`` or a dim out of range is refused, naming the
-            parameter's path (Note [Shard(i) layout] in ``shard_placement.py``).
+            each expert. As torch: i > 0 only if the shard size divides dim i (no padding); a
+            result other than ``Shard``/``None`` and a dim out of range are refused, naming the
+            parameter's path. An int ``reshard_after_forward`` k (1 < k < S) with i > 0 is
+            refused too (torch accepts it, then fails in backward). Note [Shard(i) layout] in
+            ``shard_placement.py``.
         mp_policy: the all-gather / compute, reduce-scatter and output dtypes, and whether to
             cast the forward inputs (Note [mixed precision] in ``mixed_precision.py``).
             Default: no mixed precision. Dtypes the backend cannot communicate (float8 on
