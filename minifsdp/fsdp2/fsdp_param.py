@@ -117,7 +117,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from minifsdp.fsdp2.hsdp import MeshInfo, mesh_info
 from minifsdp.fsdp2.mixed_precision import MixedPrecisionPolicy, resolve_dtypes
-from minifsdp.fsdp2.shard_placement import chunk_on_dim
+from minifsdp.fsdp2.shard_placement import chunk_on_dim, unsharded_to_shard_dim
 from minifsdp.memory import tag
 
 # (module, attribute name) pairs that hold one parameter: more than one when it is shared,
@@ -447,6 +447,8 @@ class FSDPParam:
 
     def to_unsharded(self) -> None:
         """Register the (already all-gathered) unsharded parameter on its modules."""
+        if self.shard_dim:  # the copy-out left the shards stacked on dim 0
+            unsharded_to_shard_dim(self)  # Note [Shard(i) layout]
         self._set_on_owners(self.unsharded_param)
 
     def to_sharded(self) -> None:

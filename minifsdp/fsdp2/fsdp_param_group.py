@@ -113,7 +113,6 @@ from minifsdp.fsdp2.fsdp_param import FSDPParam, OffloadPolicy, Owners
 from minifsdp.fsdp2.hsdp import mesh_info, post_forward_info
 from minifsdp.fsdp2.mixed_precision import MixedPrecisionPolicy, check_backend, group_dtypes
 from minifsdp.fsdp2.reduce import foreach_reduce
-from minifsdp.fsdp2.shard_placement import cat_on_shard_dims, stage_shard_dim_outs
 from minifsdp.memory import tag
 
 
@@ -325,19 +324,15 @@ class FSDPParamGroup:
         """Copy each parameter's ``world`` padded pieces from the rank-major buffer into its
         own unsharded buffer (Notes [copy-in and copy-out], [freeing with resize_], [version
         counter]). ``gathered.view(world, S)`` row r is rank r's slot; column block i is
-        parameter i. ``world`` is N, or k after ``reshard_after_forward=k``. A Shard(i), i > 0,
-        parameter's pieces go to a staging buffer, then into place (Note [Shard(i) layout] in
-        ``shard_placement.py``)."""
+        parameter i. ``world`` is N, or k after ``reshard_after_forward=k``."""
         outs = []
         for p in self.fsdp_params:
             buf = p.alloc_unsharded()
             tag(buf, "params", label=self.name)  # Note [labels] in minifsdp/memory.py
             outs.append(buf.view(world, -1))
         sizes = [p.padded_shard_numel * self.world_size // world for p in self.fsdp_params]
-        staged = stage_shard_dim_outs(self.fsdp_params, outs)  # Note [Shard(i) layout]
         with torch.autograd._unsafe_preserve_version_counter(tuple(outs)):
             torch.split_with_sizes_copy(gathered.view(world, -1), sizes, dim=1, out=outs)
-        cat_on_shard_dims(staged, world)
 
     @torch.no_grad()
     def _post_forward_copy_in(self) -> tuple[torch.Tensor, torch.Tensor]:

@@ -5,7 +5,7 @@
 mixture-of-experts weight ``(E, d, h)`` with fewer experts than ranks, cut on ``d`` or ``h``
 so that every rank holds a slice of *every* expert instead of whole experts on some ranks and
 nothing on the others. Only the parameter's own layout changes: this module holds the
-functions that ``fsdp_param.py``, ``fsdp_param_group.py`` and ``reduce.py`` call for it.
+functions that ``fsdp_param.py``, ``api.py`` and ``reduce.py`` call for it.
 
 Note [Shard(i) layout]: W (2, 6) on dim 1 at N = 3. Rank r's shard is columns 2r, 2r + 1,
 copied at init into a contiguous (2, 2) tensor (the padded shard; the all-gather input is it,
@@ -20,10 +20,12 @@ flat)::
         row 0:  ... | a0 a1 b0 b1 | ...
         row 1:  ... | a2 a3 b2 b3 | ...
         row 2:  ... | a4 a5 b4 b5 | ...
-    copy-out, 1: split_with_sizes_copy (as for Shard(0)) into a staging buffer, which read as
-        (N * 2, 2) holds the shards stacked on dim 0:  a0 a1 / b0 b1 / a2 a3 / b2 b3 / a4 a5 / b4 b5
-    copy-out, 2: chunk it N ways on dim 0 and cat the chunks on dim 1, into the unsharded
-        parameter (2, 6):                               a0 a1 a2 a3 a4 a5 / b0 b1 b2 b3 b4 b5
+    copy-out, 1: the dim-0 copy-out (split_with_sizes_copy, unchanged) fills the unsharded
+        buffer, which read as (N * 2, 2) holds the shards stacked on dim 0:
+                                                a0 a1 / b0 b1 / a2 a3 / b2 b3 / a4 a5 / b4 b5
+    copy-out, 2 (FSDPParam.to_unsharded): chunk a copy of it N ways on dim 0 and cat the
+        chunks on dim 1, back into the buffer, the unsharded parameter (2, 6):
+                                                a0 a1 a2 a3 a4 a5 / b0 b1 b2 b3 b4 b5
     reduce-scatter copy-in, the inverse: chunk the unsharded gradient G (2, 6) N ways on dim 1
         and cat on dim 0, (N * 2, 2), G's shards stacked as above; the dim-0 copy-in then puts
         its rows 2r, 2r + 1 in slot r, and the reduced slot, viewed (2, 2), is rank r's
@@ -32,6 +34,12 @@ flat)::
 A Shard(0) parameter needs neither step 2 nor the inverse: its N pieces back to back already
 are its rows in order (Note [copy-in and copy-out] in ``fsdp_param_group.py``).
 
+torch's step 1 copies into a staging buffer and its step 2 cats from it into place (two
+copies); ours copies into place and re-lays from a clone (three), so that the copy-out -- lab
+05's seam, whose source chapter 05 prints -- stays the dim-0 one for every parameter. The bits
+are the same (copies round nothing), and the clone is made after ``wait_for_unshard`` freed
+the group's all-gather buffer, so the two never coexist.
+
 Why torch keeps the wire format dim-0: ``all_gather_into_tensor`` and ``reduce_scatter_tensor``
 concatenate and split their buffer on dim 0 -- NCCL's collectives move flat byte ranges, and
 there is no "gather on dim 1". A group has one buffer for parameters of every shape and
@@ -39,8 +47,9 @@ placement, so each rank's contribution must be one contiguous slot; with every s
 contiguous at init, copy-in, the collective and the split are the same code for every
 parameter, the all-gather input stays a view of the shard the optimizer steps (Note [who owns
 the shard's storage] in ``fsdp_param.py``), and the sharded gradient is a view of the
-reduce-scatter output. Only the parameter's side pays: one more copy (and a staging buffer of
-its unsharded size) per all-gather, one more copy of its gradient per reduce-scatter.
+reduce-scatter output. Only the parameter's side pays: in torch one more copy (and a staging
+buffer of its unsharded size) per all-gather, in ours two (above); one more copy of its
+gradient per reduce-scatter in both.
 
 Why only even cuts (torch: ``NotImplementedError: FSDP does not support uneven sharding on
 dim i``, which we raise too): 4 columns at N = 3 would give 2, 2, 0; padded to 2 each, the
@@ -132,35 +141,23 @@ def resolve_shard_dims(named: list[tuple[str, nn.Parameter]],
     return dims
 
 
-# ---- all-gather copy-out (called from FSDPParamGroup._all_gather_copy_out) --------------------
+# ---- all-gather copy-out, step 2 (called from FSDPParam.to_unsharded) -----------------------
 
-def stage_shard_dim_outs(fsdp_params: list, outs: list[torch.Tensor]) -> list[tuple]:
-    """Point the copy-out of every Shard(i), i > 0, parameter at a fresh staging buffer of
-    the same shape (``outs[j]``, the unsharded buffer viewed ``(world, -1)``, is replaced in
-    place): step 1 of the copy-out in Note [Shard(i) layout]. Returns ``[(param, unsharded
-    view, staging view), ...]`` for ``cat_on_shard_dims``; ``[]`` and ``outs`` untouched when
-    every parameter is Shard(0)."""
-    staged = []
-    for j, p in enumerate(fsdp_params):
-        if p.shard_dim:
-            staging = torch.empty_like(outs[j])
-            tag(staging, "comm", label="all-gather buffers")
-            staged.append((p, outs[j], staging))
-            outs[j] = staging
-    return staged
-
-
-def cat_on_shard_dims(staged: list[tuple], world: int) -> None:
-    """Step 2 of the copy-out in Note [Shard(i) layout]: each staging buffer, read as the
-    ``world`` padded shards stacked on dim 0, chunked on dim 0 and concatenated on the
-    parameter's dim into its unsharded buffer (torch: ``foreach_all_gather_copy_out``). An
-    in-place write into tensors autograd may have saved: Note [version counter]."""
-    for p, unsharded, staging in staged:
-        d, shard = p.shard_dim, p.padded_sharded_size
-        stacked = staging.view(world * shard[0], *shard[1:])
-        full = unsharded.view(*shard[:d], world * shard[d], *shard[d + 1:])
-        with torch.autograd._unsafe_preserve_version_counter(unsharded):
-            torch.cat(torch.chunk(stacked, world, dim=0), dim=d, out=full)
+def unsharded_to_shard_dim(p) -> None:
+    """Step 2 of the copy-out in Note [Shard(i) layout], in place: ``p``'s unsharded buffer,
+    which the dim-0 copy-out filled with the N padded shards stacked on dim 0, re-laid from a
+    copy of it: chunked N ways on dim 0, concatenated on ``p.shard_dim`` (torch: the cat in
+    ``foreach_all_gather_copy_out``). An in-place write into tensors autograd may have saved,
+    restoring the values they had: Note [version counter]."""
+    d, shard, world = p.shard_dim, p.padded_sharded_size, p.world_size
+    buf = p._unsharded_data
+    with torch.no_grad():
+        stacked = buf.clone()  # dies here; the group's all-gather buffer is already freed
+        tag(stacked, "comm", label="all-gather buffers")
+        full = buf.view(*shard[:d], world * shard[d], *shard[d + 1:])
+        with torch.autograd._unsafe_preserve_version_counter(buf):
+            torch.cat(torch.chunk(stacked.view(world * shard[0], *shard[1:]), world, dim=0),
+                      dim=d, out=full)
 
 
 # ---- reduce-scatter copy-in (called from reduce.foreach_reduce) -----------------------------
