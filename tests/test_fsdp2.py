@@ -12,9 +12,10 @@ padding is exercised. ``tests/workers/fsdp2_worker.py`` at N = 2 and 3 covers wh
 does not reach (frozen + trainable in one group, empty shards, an unused parameter,
 accumulation with and without sync, clipping, meta-device init, state dicts, errors, CPU
 offload against torch's ``CPUOffloadPolicy``); the list form ``fully_shard([m1, m2])`` has its
-own, ``fsdp2_multi_worker.py`` (N = 2 and 3). The in-process tests at the end use a world of
-one. 16 launches, each declared by the tests that read it (tests/jobs.py); the fixture
-``launched`` runs ``PARALLEL`` at a time.
+own, ``fsdp2_multi_worker.py`` (N = 2 and 3), and ``shard_placement_fn`` (Shard(i) parameters,
+ours against torch's) ``fsdp2_shard_dim_worker.py`` (N = 2, 3 and 4). The in-process tests at
+the end use a world of one. 19 launches, each declared by the tests that read it
+(tests/jobs.py); the fixture ``launched`` runs ``PARALLEL`` at a time.
 """
 
 import functools
@@ -910,3 +911,138 @@ def test_worker_list_form_returns_and_errors(multi):
             assert e["ours_root"].startswith("RuntimeError") and "root" in e["ours_root"]
             assert "the group of FSDPLinear, FSDPLinear" in e["ours_root"]
             assert "module[1] is a int, not an nn.Module" in e["ours_not_a_module"]
+
+
+# ---- shard_placement_fn: Shard(i) parameters (Note [Shard(i) layout]) --------------------------
+
+SHARD_DIM_WORKER = str(Path(__file__).parent / "workers" / "fsdp2_shard_dim_worker.py")
+SHARD_DIM = {n: Job(f"shard_dim_{n}", SHARD_DIM_WORKER, n) for n in (2, 3, 4)}
+SHARD_DIMS = {"experts.w_in": 2, "experts.w_out": 1, "out.weight": 1}  # the rest: dim 0
+
+
+def shard_dim_ranks(launched, n: int) -> list[dict]:
+    return launched[SHARD_DIM[n]].result().ranks
+
+
+def shard_dim_param(n: int):
+    return pytest.param(n, marks=pytest.mark.launches(SHARD_DIM[n]))
+
+
+@pytest.mark.parametrize("n", [shard_dim_param(2), shard_dim_param(3)])
+def test_worker_shard_placement_fn_is_torchs(launched, n):
+    """``shard_placement_fn`` putting stacked experts on Shard(-1) and Shard(1) and a Linear's
+    weight on Shard(1), beside dim-0 parameters with uneven and empty shards in the same two
+    groups: at init the local tensors (``torch.chunk`` on each one's dim) and placements are
+    torch's and ``full_tensor()`` is the unsharded parameter; then over 3 Adam steps the
+    losses, the sharded gradients (local tensors, placements) and the parameters equal
+    torch's bit for bit, on every rank -- fp32, without resharding after forward, and with
+    bf16 parameters reduced in fp32 (torch supports it). Against one process: bitwise at
+    N = 2; at N = 3 no further than torch (RELATIVE_TO_TORCH)."""
+    from minifsdp.fsdp2.shard_placement import chunk_on_dim
+
+    for r in shard_dim_ranks(launched, n):
+        for name in ("fp32", "no_reshard_after_forward", "bf16"):
+            case = r[name]
+            assert case["placements_equal"] and case["shapes_equal"], name
+            assert case["grad_placements_equal"], name
+            for key in ("local_vs_torch", "full_vs_unsharded", "losses_vs_torch",
+                        "grads_vs_torch", "params_vs_torch", "full_vs_torch"):
+                assert case[key] is None, (name, key, case[key])
+            for k, shape in case["shapes"].items():
+                dim = SHARD_DIMS.get(k, 0)
+                assert case["placements"][k] == case["grad_placements"][k] == f"(Shard(dim={dim}),)"
+                want = chunk_on_dim(torch.empty(shape, device="meta"), n, dim)[r["rank"]]
+                assert case["local_shapes"][k] == list(want.shape), (name, k)
+            assert case["dtypes"] == ["torch.float32"]  # the sharded grads: fp32 under bf16 too
+        if n == 3 and r["rank"] == 2:  # empty dim-0 shards next to Shard(i) in both groups
+            assert r["fp32"]["local_shapes"]["experts.e_bias"] == [0, 1, 12]
+            assert r["fp32"]["local_shapes"]["gate.weight"] == [0, 8]
+        fp32 = r["fp32"]
+        assert fp32["losses_vs_single"] is None, fp32["losses_vs_single"]
+        if n == 2:
+            assert fp32["vs_single"] is None, fp32["vs_single"]
+        else:
+            assert fp32["torch_vs_single"] < 1e-4
+            assert fp32["ours_vs_single"] <= RELATIVE_TO_TORCH * fp32["torch_vs_single"]
+
+
+@pytest.mark.parametrize("n", [shard_dim_param(2), shard_dim_param(3)])
+def test_worker_shard_placement_fn_state_dicts_and_refusals(launched, n):
+    """The sharded state dict holds torch's placements; ``full_state_dict`` ->
+    ``load_full_state_dict`` (each rank keeps its slice on the parameter's dim) and a sharded
+    ``load_state_dict`` give the same bits back. Ours refuses exactly what torch refuses, with
+    the same exception type where torch's is a ``ValueError`` or ``NotImplementedError`` (a
+    dim > 0 that N does not divide: 5 columns at N = 2 and 3, 4 at N = 3 with its empty
+    shard; not Shard) and a ``ValueError`` where torch asserts (a dim out of range), each
+    message naming the parameter's path."""
+    for r in shard_dim_ranks(launched, n):
+        sd = r["state_dict"]
+        assert sd["placements_equal"] and sd["placements"]["out.weight"] == "(Shard(dim=1),)"
+        assert sd["full_round_trip"] is None and sd["sharded_round_trip"] is None, sd
+        errors = r["errors"]
+        assert (errors["columns_4"]["ours"] is None) == (errors["columns_4"]["torch"] is None) \
+            == (n == 2), errors["columns_4"]
+        for name, e in errors.items():
+            if e["torch"] is None:
+                continue
+            assert e["ours"] is not None and "layer.w" in e["ours"][1], (name, e)
+            want = "ValueError" if e["torch"][0] == "AssertionError" else e["torch"][0]
+            assert e["ours"][0] == want, (name, e)
+        assert errors["columns_5"]["ours"][0] == "NotImplementedError"
+        assert "does not divide evenly" in errors["columns_5"]["ours"][1]
+
+
+@pytest.mark.parametrize("n", [shard_dim_param(4)])
+def test_worker_shard_placement_fn_hsdp_and_reshard_to_k(launched, n):
+    """On a 2 x 2 HSDP mesh ours trains as torch's bit for bit with ``(Replicate(),
+    Shard(i))`` placements. ``reshard_after_forward=2`` on a 1-D mesh of 4: torch's accepts it
+    and fails in backward (an ``IndexError``: its copy-out reads the kept flat piece as a
+    padded shard with a dim i); ours refuses it in ``fully_shard``, naming both parameters."""
+    for r in shard_dim_ranks(launched, n):
+        case = r["hsdp"]
+        for key in ("local_vs_torch", "full_vs_unsharded", "losses_vs_torch", "grads_vs_torch",
+                    "params_vs_torch", "full_vs_torch"):
+            assert case[key] is None, (key, case[key])
+        assert case["placements_equal"] and case["grad_placements_equal"]
+        assert case["placements"]["experts.w_in"] == "(Replicate(), Shard(dim=2))"
+        assert case["placements"]["gate.weight"] == "(Replicate(), Shard(dim=0))"
+        k = r["reshard_to_k"]
+        assert k["torch"][:2] == ["training", "IndexError"], k
+        assert k["ours"][:2] == ["fully_shard", "NotImplementedError"], k
+        assert "w_in (Shard(2)), w_out (Shard(1))" in k["ours"][2], k
+
+
+def test_shard_placement_fn_in_a_world_of_one(mesh):
+    """At N = 1 a Shard(1) parameter is its whole self (placement ``Shard(1)``) and trains
+    as the plain model does; refused before any parameter is replaced: torch's per-parameter
+    mesh (``ShardPlacementResult``), a placement fn that is not callable, and an all-gather
+    extension on a dim > 0."""
+    from torch.distributed.fsdp._fully_shard._fsdp_common import ShardPlacementResult
+
+    from minifsdp.fsdp2.shard_placement import chunk_on_dim
+
+    assert [tuple(c.shape) for c in chunk_on_dim(torch.zeros(2, 4), 3, 1)] == [(2, 2), (2, 2),
+                                                                                (2, 0)]
+    model, ref = small_model(), small_model()
+    fully_shard(model, mesh=mesh, shard_placement_fn=lambda p: Shard(-1) if p.ndim == 2 else None)
+    assert model[0].weight.placements == (Shard(1),) and model[0].bias.placements == (Shard(0),)
+    for m in (model, ref):
+        opt = torch.optim.Adam(m.parameters(), lr=1e-2)
+        for step in range(2):
+            torch.manual_seed(step)
+            m(torch.randn(5, 4)).square().sum().backward()
+            opt.step()
+            opt.zero_grad()
+    assert_bitwise({k: v.full_tensor() for k, v in model.named_parameters()},
+                   dict(ref.named_parameters()), names=("fsdp2 Shard(1)", "plain"))
+    m = small_model()
+    before = dict(m.named_parameters())
+    with pytest.raises(NotImplementedError, match="ShardPlacementResult for 0.weight"):
+        fully_shard(m, mesh=mesh,
+                    shard_placement_fn=lambda p: ShardPlacementResult(Shard(1), None))
+    with pytest.raises(TypeError, match="must be a callable"):
+        fully_shard(m, mesh=mesh, shard_placement_fn=Shard(1))
+    m[0].weight.fsdp_pre_all_gather = m[0].weight.fsdp_post_all_gather = print  # as Float8Weight
+    with pytest.raises(NotImplementedError, match="0.weight is a Parameter, an all-gather ext"):
+        fully_shard(m, mesh=mesh, shard_placement_fn=lambda p: Shard(1) if p.ndim == 2 else None)
+    assert dict(m.named_parameters()) == before and not isinstance(m, FSDPModule)

@@ -52,7 +52,9 @@ next], [same order on every rank], [mistargeted prefetches], [prefetch memory], 
 GPUs] (prefetch.py); [mixed precision], [gloo dtypes], [divide factor] (mixed_precision.py),
 [accumulating in the reduce dtype] (fsdp_param.py); [recomputed in backward] (fsdp_state.py);
 [HSDP], [HSDP accumulation], [reshard to k ranks] (hsdp.py); [all-gather extensions]
-(fsdp_param.py), [FP8 all-gather], [where ours is simpler than torchao] (float8.py).
+(fsdp_param.py), [FP8 all-gather], [where ours is simpler than torchao] (float8.py); [Shard(i)
+layout] (shard_placement.py: ``fully_shard(..., shard_placement_fn=...)``, a parameter cut on
+another dim than 0, as torch's ``Shard(i)``).
 
 CPU offload: ``fully_shard(m, mesh=mesh, offload_policy=CPUOffloadPolicy())`` -- shards,
 sharded gradients and the optimizer's state in CPU memory, copied to the device for each

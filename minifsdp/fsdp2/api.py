@@ -29,7 +29,8 @@ steps are the sharded DTensors: a *sharded* state dict, made without communicati
 rank saves its rows; DTensor records how to put them together). ``full_state_dict(model)``
 all-gathers each one (``DTensor.full_tensor()``) into plain tensors on every rank.
 ``load_full_state_dict`` goes back without communication: every rank has the full tensors
-and keeps its own rows (``chunk_dim0``). On an HSDP mesh the DTensors are ``(Replicate(),
+and keeps its own rows (``chunk_dim0``; its slices on dim i for a parameter that
+``shard_placement_fn`` put on ``Shard(i)``). On an HSDP mesh the DTensors are ``(Replicate(),
 Shard(0))``: rows are chosen and gathered over the shard dim only. ``model.load_state_dict``
 of a sharded state dict copies DTensor into DTensor, local rows into local rows.
 (``assign=True`` would replace our parameter objects, which the optimizer and the group
@@ -55,6 +56,7 @@ would make them agree needs a CUDA-like device).
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -62,12 +64,13 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
-from minifsdp.fsdp2.fsdp_param import CPUOffloadPolicy, OffloadPolicy, Owners, chunk_dim0
+from minifsdp.fsdp2.fsdp_param import CPUOffloadPolicy, OffloadPolicy, Owners
 from minifsdp.fsdp2.fsdp_param_group import FSDPParamGroup
 from minifsdp.fsdp2.fsdp_state import FSDPState, listed_modules
-from minifsdp.fsdp2.hsdp import mesh_info
+from minifsdp.fsdp2.hsdp import mesh_info, post_forward_info
 from minifsdp.fsdp2.mixed_precision import MixedPrecisionPolicy, register_forward_casts
 from minifsdp.fsdp2.prefetch import UnshardHandle
+from minifsdp.fsdp2.shard_placement import chunk_on_dim, resolve_shard_dims
 
 
 class FSDPModule:
@@ -329,12 +332,14 @@ _NO_OFFLOAD = OffloadPolicy()  # no fields: nothing to mutate (torch's default i
 
 def fully_shard(module: nn.Module | list[nn.Module], *, mesh: DeviceMesh | None = None,
                 reshard_after_forward: bool | int | None = None,
+                shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None = None,
                 mp_policy: MixedPrecisionPolicy = _NO_MIXED_PRECISION,
                 offload_policy: OffloadPolicy = _NO_OFFLOAD,
                 ignored_params: set[nn.Parameter] | None = None
                 ) -> nn.Module | list[nn.Module]:
-    """Shard ``module``'s parameters (those no nested ``fully_shard`` took) on dim 0 over
-    ``mesh`` as one group, install the hooks, and return the same module (Note [bottom-up]).
+    """Shard ``module``'s parameters (those no nested ``fully_shard`` took) on dim 0 (or the
+    dim ``shard_placement_fn`` picks) over ``mesh`` as one group, install the hooks, and
+    return the same module (Note [bottom-up]).
 
     ``module`` may be a list ``[m1, m2, ...]`` (torch's list form): ONE group of the
     parameters under all of them, all-gathered before the first of them runs forward and
@@ -353,6 +358,16 @@ def fully_shard(module: nn.Module | list[nn.Module], *, mesh: DeviceMesh | None 
             True, except for the root, whose parameters backward needs first. An int k
             (a divisor of the shard size): keep 1/k of them, all-gathered over k ranks in
             backward (Note [reshard to k ranks] in ``hsdp.py``).
+        shard_placement_fn: ``(nn.Parameter) -> Shard | None``, as torch 2.14's (ours calls
+            it once per parameter, torch's twice): ``Shard(i)`` cuts it on dim i, not 0 (negative
+            i from the end; its DTensor's placement is ``Shard(i)``, HSDP's ``(Replicate(),
+            Shard(i))``), ``None`` keeps ``Shard(0)``. E.g. a stacked experts weight ``(E, d,
+            h)`` with fewer experts than ranks, cut on ``h`` so every rank holds a slice of
+            each expert. As torch: i > 0 only if the shard size divides dim i (no padding); a
+            result other than ``Shard``/``None`` and a dim out of range are refused, naming the
+            parameter's path. An int ``reshard_after_forward`` k (1 < k < S) with i > 0 is
+            refused too (torch accepts it, then fails in backward). Note [Shard(i) layout] in
+            ``shard_placement.py``.
         mp_policy: the all-gather / compute, reduce-scatter and output dtypes, and whether to
             cast the forward inputs (Note [mixed precision] in ``mixed_precision.py``).
             Default: no mixed precision. Dtypes the backend cannot communicate (float8 on
@@ -388,6 +403,13 @@ def fully_shard(module: nn.Module | list[nn.Module], *, mesh: DeviceMesh | None 
         >>> pair = fully_shard([net["emb"], net["head"]])
         >>> pair[0].fsdp_state is pair[1].fsdp_state, len(pair[0].fsdp_state.group.fsdp_params)
         (True, 4)
+
+    Example (``shard_placement_fn``, inside a torchrun worker, N ranks dividing 64)::
+
+        experts = Experts(n_experts=2, d=32, h=64)        # w_in (2, 32, 64), w_out (2, 64, 32)
+        fully_shard(experts, mesh=mesh,
+                    shard_placement_fn=lambda p: Shard(2) if p.ndim == 3 else None)
+        experts.w_in.placements, experts.w_in.to_local().shape    # (Shard(dim=2),), (2, 32, 64 / N)
     """
     roots = listed_modules(module)  # Note [several modules, one group]
     if mesh is None:
@@ -401,9 +423,10 @@ def fully_shard(module: nn.Module | list[nn.Module], *, mesh: DeviceMesh | None 
             module_, name = owners[0]
             raise ValueError(f"{type(module_).__name__}.{name} is on {p.device}, the mesh on "
                              f"{mesh.device_type}: move the module to the device first")
+    shard_dims = _shard_dims(roots, params, shard_placement_fn, mesh, reshard_after_forward)
     name = ", ".join(type(m).__name__ for m in roots)  # until lazy init names it
     group = FSDPParamGroup(params, mesh, reshard_after_forward, name, mp_policy,
-                           offload_policy) if params else None
+                           offload_policy, shard_dims) if params else None
     state = FSDPState(roots, group)
     for m in roots:
         m.__dict__["_fsdp_state"] = state
@@ -427,6 +450,30 @@ def _check_offload_policy(policy: object) -> None:
         raise RuntimeError("fully_shard: CPUOffloadPolicy(pin_memory=True) pins the shards in "
                            "page-locked memory, which needs CUDA, and this machine has no "
                            "accelerator; pass CPUOffloadPolicy(pin_memory=False)")
+
+
+def _shard_dims(roots: tuple[nn.Module, ...], params: list[tuple[nn.Parameter, Owners]],
+                shard_placement_fn, mesh: DeviceMesh, reshard_after_forward) -> list[int]:
+    """Each parameter's shard dim (``resolve_shard_dims``), errors naming its path under
+    the ``roots``; and torch's one combination that fails later refused now: an int
+    ``reshard_after_forward`` k keeps a flat 1/k of each unsharded parameter, which its
+    backward all-gather over k ranks cannot lay out on a dim > 0 (torch 2.14: ``IndexError``
+    in backward)."""
+    paths: dict[nn.Parameter, str] = {}
+    for root in roots:
+        for name, p in root.named_parameters(remove_duplicate=False):
+            paths.setdefault(p, name)
+    named = [(paths.get(p, f"{type(o[0][0]).__name__}.{o[0][1]}"), p) for p, o in params]
+    where = ", ".join(type(m).__name__ for m in roots)
+    dims = resolve_shard_dims(named, shard_placement_fn, mesh_info(mesh).shard_size, where)
+    if any(dims) and post_forward_info(mesh_info(mesh), reshard_after_forward)[1] is not None:
+        on_dim = ", ".join(f"{path} (Shard({d}))" for (path, _), d in zip(named, dims) if d)
+        raise NotImplementedError(
+            f"fully_shard({where}): reshard_after_forward={reshard_after_forward} with "
+            f"parameters sharded on a dim > 0: {on_dim}. Their backward all-gather over "
+            f"{reshard_after_forward} ranks is not supported (torch 2.14 fails there with an "
+            "IndexError); pass True or False, or shard them in a fully_shard call of their own")
+    return dims
 
 
 def _managed_params(roots: tuple[nn.Module, ...], ignored: set[nn.Parameter]
@@ -486,9 +533,9 @@ def load_full_state_dict(model: nn.Module, full: dict[str, torch.Tensor], strict
         cur = current.get(k)
         if isinstance(cur, DTensor):
             mesh = cur.device_mesh
-            dim = [isinstance(p, Shard) for p in cur.placements].index(True)  # the shard dim
-            rows = chunk_dim0(v.to(cur.device, cur.dtype), mesh.size(dim))[
-                mesh.get_local_rank(dim)]
+            dim = [isinstance(p, Shard) for p in cur.placements].index(True)  # the mesh's
+            rows = chunk_on_dim(v.to(cur.device, cur.dtype), mesh.size(dim),
+                                cur.placements[dim].dim)[mesh.get_local_rank(dim)]
             v = DTensor.from_local(rows, mesh, cur.placements, run_check=False,
                                    shape=cur.shape, stride=cur.stride())
         sharded[k] = v

@@ -1,4 +1,6 @@
-"""``FSDPParam``: one parameter, sharded on dim 0 across a ``DeviceMesh``, as a DTensor.
+"""``FSDPParam``: one parameter, sharded on dim 0 across a ``DeviceMesh``, as a DTensor
+(or on another dim that ``fully_shard``'s ``shard_placement_fn`` picks: Note [Shard(i)
+layout] in ``shard_placement.py``; the Notes below speak of dim 0).
 
 FSDP1 flattened a whole unit into one FlatParameter and cut *that*. FSDP2 cuts every
 parameter on its own, along its first dimension, and hands the module the cut as a
@@ -111,10 +113,11 @@ from typing import Any
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 
 from minifsdp.fsdp2.hsdp import MeshInfo, mesh_info
 from minifsdp.fsdp2.mixed_precision import MixedPrecisionPolicy, resolve_dtypes
+from minifsdp.fsdp2.shard_placement import chunk_on_dim, unsharded_to_shard_dim
 from minifsdp.memory import tag
 
 # (module, attribute name) pairs that hold one parameter: more than one when it is shared,
@@ -195,7 +198,10 @@ class FSDPParam:
 
     Shapes for ``weight (10, 8)`` at N = 4, rank 3: ``sharded_size (1, 8)``,
     ``padded_sharded_size (3, 8)``, ``padded_shard_numel 24``, unsharded buffer ``(96,)``
-    whose first 80 elements are ``unsharded_param (10, 8)``.
+    whose first 80 elements are ``unsharded_param (10, 8)``. With ``shard_dim=1`` (torch's
+    ``Shard(1)``, from ``fully_shard``'s ``shard_placement_fn``; only even cuts) the shard is
+    columns instead, made contiguous: ``(10, 2)``, no padding (Note [Shard(i) layout] in
+    ``shard_placement.py``).
 
     Example (a world of one, so the shard is everything):
         >>> lin = nn.Linear(8, 10)
@@ -206,7 +212,7 @@ class FSDPParam:
 
     def __init__(self, param: nn.Parameter, owners: Owners, mesh: DeviceMesh | MeshInfo,
                  mp_policy: MixedPrecisionPolicy | None = None,
-                 offload_policy: OffloadPolicy | None = None):
+                 offload_policy: OffloadPolicy | None = None, shard_dim: int = 0):
         if param.dim() == 0:
             raise ValueError("fully_shard shards on dim 0: a 0-d parameter has none; make it "
                              "1-d with one element")
@@ -219,7 +225,10 @@ class FSDPParam:
         self.extension = _extension_type(param, owners)  # Note [all-gather extensions]
         # for errors, e.g. "Linear.weight" (taken now: fully_shard renames the class next)
         self.name = f"{type(owners[0][0]).__name__}.{owners[0][1]}"
-        self.owners, self.mesh, self.placements = owners, info.mesh, info.placements
+        # the dim it is cut on: 0, or i > 0 dividing evenly (resolve_shard_dims has checked)
+        self.shard_dim = shard_dim
+        self.owners, self.mesh = owners, info.mesh
+        self.placements = (*info.placements[:-1], Shard(shard_dim))  # HSDP's Replicate() kept
         self.rank, self.world_size = info.shard_rank, info.shard_size  # the shard group's
         # Note [FSDP2 CPU offload]: the shards on the host, copied to ``device`` to compute
         self.offload_to_cpu = isinstance(offload_policy, CPUOffloadPolicy)
@@ -229,17 +238,19 @@ class FSDPParam:
         self.orig_size = param.shape
         self.orig_stride = contiguous_stride(param.shape)
         with torch.no_grad():
-            chunks = chunk_dim0(param.detach(), self.world_size)
+            chunks = (chunk_dim0(param.detach(), self.world_size) if shard_dim == 0 else
+                      chunk_on_dim(param.detach(), self.world_size, shard_dim))
             mine = chunks[self.rank]
             self.sharded_size = mine.shape
             self.padded_sharded_size = chunks[0].shape  # chunk 0 is never short
             padded = param.new_zeros(self.padded_sharded_size)  # on "meta" stays on meta
-            padded[: mine.shape[0]].copy_(mine)
+            self._narrow(padded, mine.shape).copy_(mine)  # a copy: dim-i shards contiguous
             if self.offload_to_cpu and not padded.is_meta:
                 padded = self._to_host_memory(padded)
         self.padded_shard_numel = padded.numel()
         self._sharded_data = padded.view(-1)
-        self.sharded_param = nn.Parameter(self.to_sharded_dtensor(padded[: mine.shape[0]]),
+        local = self._narrow(padded, mine.shape)
+        self.sharded_param = nn.Parameter(self.to_sharded_dtensor(local),
                                           requires_grad=param.requires_grad)
         param._fsdp2_sharded = True  # a parent fully_shard must not shard it again
         self._unsharded_data: torch.Tensor | None = None  # allocated at the first unshard
@@ -312,12 +323,17 @@ class FSDPParam:
             return self._sharded_data
         with torch.no_grad():
             padded = local.new_zeros(self.padded_sharded_size)
-            padded[: local.shape[0]].copy_(local)
+            self._narrow(padded, local.shape).copy_(local)
             if self.pin_memory:  # e.g. after to_empty(device="cpu"): pinned as at init
                 padded = self._to_host_memory(padded)
         self._sharded_data = padded.view(-1)
-        self.sharded_param._local_tensor = padded[: local.shape[0]]
+        self.sharded_param._local_tensor = self._narrow(padded, local.shape)
         return self._sharded_data
+
+    def _narrow(self, padded: torch.Tensor, size: torch.Size) -> torch.Tensor:
+        """The first ``size[shard_dim]`` slices of ``padded`` on the shard dim: the unpadded
+        shard, a view (contiguous: only dim 0 is ever padded, Note [Shard(i) layout])."""
+        return padded.narrow(self.shard_dim, 0, size[self.shard_dim])
 
     def _to_host_memory(self, padded: torch.Tensor) -> torch.Tensor:
         """The padded shard in CPU memory, page-locked if ``pin_memory``."""
@@ -431,6 +447,8 @@ class FSDPParam:
 
     def to_unsharded(self) -> None:
         """Register the (already all-gathered) unsharded parameter on its modules."""
+        if self.shard_dim:  # the copy-out left the shards stacked on dim 0
+            unsharded_to_shard_dim(self)  # Note [Shard(i) layout]
         self._set_on_owners(self.unsharded_param)
 
     def to_sharded(self) -> None:
@@ -481,5 +499,6 @@ class FSDPParam:
         return math.prod(self.sharded_size)
 
     def __repr__(self) -> str:
-        return (f"FSDPParam({tuple(self.orig_size)} -> rank {self.rank}/{self.world_size}: "
+        on = f" on dim {self.shard_dim}" if self.shard_dim else ""
+        return (f"FSDPParam({tuple(self.orig_size)} -> rank {self.rank}/{self.world_size}{on}: "
                 f"{tuple(self.sharded_size)}, padded {tuple(self.padded_sharded_size)})")

@@ -149,6 +149,9 @@ class FSDPParamGroup:
             none, as ``MixedPrecisionPolicy()``.
         offload_policy: ``CPUOffloadPolicy()`` keeps the shards and their gradients in CPU
             memory (Note [FSDP2 CPU offload] in ``fsdp_param.py``); ``None``: no offload.
+        shard_dims: the dim each parameter is cut on (``fully_shard``'s ``shard_placement_fn``,
+            checked by ``resolve_shard_dims``: Note [Shard(i) layout] in
+            ``shard_placement.py``); ``None``: dim 0 for all.
 
     Example (inside a torchrun worker, N ranks)::
 
@@ -160,7 +163,8 @@ class FSDPParamGroup:
     def __init__(self, params: list[tuple[nn.Parameter, Owners]], mesh: DeviceMesh,
                  reshard_after_forward: bool | int | None, name: str,
                  mp_policy: MixedPrecisionPolicy | None = None,
-                 offload_policy: OffloadPolicy | None = None):
+                 offload_policy: OffloadPolicy | None = None,
+                 shard_dims: list[int] | None = None):
         self.mp_policy = mp_policy or MixedPrecisionPolicy()
         # check the dtypes before FSDPParam replaces any parameter: an error leaves the
         # module as it was
@@ -175,8 +179,8 @@ class FSDPParamGroup:
         self.has_extensions = bool(self.extension_params)
         self.set_reshard_after_forward(reshard_after_forward)  # refuses a bad k
         check_backend(self.dtypes, info.shard_group, mesh.device_type, name)
-        self.fsdp_params = [FSDPParam(p, owners, info, self.mp_policy, offload_policy)
-                            for p, owners in params]
+        self.fsdp_params = [FSDPParam(p, owners, info, self.mp_policy, offload_policy, d)
+                            for (p, owners), d in zip(params, shard_dims or [0] * len(params))]
         self.mesh, self.process_group = mesh, info.shard_group
         self.rank, self.world_size = info.shard_rank, info.shard_size
         self.replicate_group = info.replicate_group  # HSDP's all-reduce; None on a 1-D mesh

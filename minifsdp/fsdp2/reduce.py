@@ -19,6 +19,7 @@ import torch
 from minifsdp import comm
 from minifsdp.fsdp2.fsdp_param import FSDPParam
 from minifsdp.fsdp2.mixed_precision import divide_if_needed, gradient_divide_factors
+from minifsdp.fsdp2.shard_placement import grads_to_dim0_layout
 from minifsdp.memory import tag
 
 if TYPE_CHECKING:
@@ -44,8 +45,10 @@ def foreach_reduce(group: FSDPParamGroup, params: list[FSDPParam],
         foreach_reduce(group, group.fsdp_params, grads)
         lin.weight.grad.to_local().shape                    # (4 / N rows, 8), averaged
     """
-    # seam "fsdp2.reduce_dtype" (lab 07) and seam "fsdp2.reduce_scatter_copy_in" (lab 05)
-    flat = reduce_scatter_copy_in(group, params, grads, reduce_scatter_dtype(group, grads))
+    dtype = reduce_scatter_dtype(group, grads)  # seam "fsdp2.reduce_dtype" (lab 07)
+    grads_to_dim0_layout(params, grads, group.world_size)  # Note [Shard(i) layout]
+    # seam "fsdp2.reduce_scatter_copy_in" (lab 05)
+    flat = reduce_scatter_copy_in(group, params, grads, dtype)
     grads.clear()  # the unsharded gradients die here
     out = reduce_grads(group, flat)  # seam "fsdp2.reduce_grads" (lab 09)
     if out is not None:  # None: kept for a later all-reduce (Note [HSDP accumulation])
