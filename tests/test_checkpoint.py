@@ -151,7 +151,8 @@ def test_save_commits_keeps_k_and_resumes_the_generators(tmp_path):
     loaded = load_checkpoint(root, fresh, opt)
     assert loaded["step"] == 3 and loaded["extra"] == {"note": "tiny"} and loaded["rng_restored"]
     assert torch.equal(torch.rand(3), expected_draw)
-    assert all(torch.equal(a, b) for a, b in zip(fresh.parameters(), model.parameters()))
+    parity.assert_bitwise(dict(fresh.named_parameters()), dict(model.named_parameters()),
+                          names=("loaded", "saved"))
     assert all(int(s["step"]) == 3 for s in opt.state.values())
     save_checkpoint(root, fresh, opt, step=3)  # the same step again: replaced
     assert sorted(p.name for p in root.iterdir()) == ["latest", "step_000002", "step_000003"]

@@ -48,8 +48,10 @@ def test_bitwise_with_a_single_process_simulation(worker):
     for r in worker[2]:
         for mode in FP8_MODES:
             run = r["runs"][mode]
-            bad = [k for k, ok in run["sim_params_bitwise"].items() if not ok]
-            assert not bad and run["sim_max_abs_diff"] == 0.0, (r["rank"], mode, bad)
+            assert run["sim_divergence"] is None, f"{mode}: {run['sim_divergence']}"
+            # the booleans notebook 07 prints agree (a parameter per name, a loss per step)
+            assert len(run["sim_params_bitwise"]) == 29 and all(
+                run["sim_params_bitwise"].values()) and run["sim_max_abs_diff"] == 0.0, mode
             assert run["sim_losses_equal"] == [True] * 3, (r["rank"], mode)
 
 
@@ -77,7 +79,7 @@ def test_uneven_shards(worker):
             r["rank"], r["unsharded_vs_sim"])
         run = r["runs"]["fp8"]
         assert run["sim_losses_equal"][0], r["rank"]
-        assert run["sim_max_abs_diff"] <= N3_PARAM_BOUND, run["sim_max_abs_diff"]
+        assert run["sim_max_abs_diff"] <= N3_PARAM_BOUND, run["sim_worst"]
 
 
 def _slot_bytes(group: list[dict], n: int, elem: int) -> int:

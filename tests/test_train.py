@@ -126,9 +126,10 @@ def test_full_batch_reference_agrees_to_rounding(train_run):
     full, ref_full = train_run("cnn", "single_full")
     single, ref = train_run("cnn", "single")
     assert full.ranks[0]["config"]["full_batch"] and not single.ranks[0]["config"]["full_batch"]
-    diffs = [abs(a - b) for a, b in zip(full.ranks[0]["losses"], single.ranks[0]["losses"])]
-    assert max(diffs) <= 1e-5
-    torch.testing.assert_close(ref_full, ref, atol=1e-4, rtol=0)
+    names = ("single_full", "single")
+    parity.assert_close(full.ranks[0]["losses"], single.ranks[0]["losses"], atol=1e-5, rtol=0,
+                        names=names, where="losses")
+    parity.assert_close(ref_full, ref, atol=1e-4, rtol=0, names=names)
 
 
 @pytest.mark.parametrize("model,strategy", VS_SINGLE)

@@ -18,12 +18,13 @@ the same batches in every configuration:
   fsdp1/fully_sharded.py).
 
 Per configuration and rank: the losses; ``bitwise``: every full parameter after the last step
-``torch.equal`` to ``ours plain raf``'s; ``counts``: the ops of step 2 by phase (all-gathers,
-reduce-scatters, SDPA and gelu forwards, counted below the dispatcher, so torch's collectives
-count too); for ours, ``end_of_forward`` (``MemoryTracker``'s bytes by category once the loss
-exists) and the tracker's ``memory`` of step 2. Then ``flops`` (``FlopCounterMode``: a plain
-step, a checkpointed step, a no-grad forward) and ``times`` (plain and checkpointed steps,
-interleaved).
+equal to ``ours plain raf``'s bit for bit, and ``divergence``: where the losses, else the
+parameters, first differ from its (Note [parity] in ``minifsdp/parity.py``), or None;
+``counts``: the ops of step 2 by phase (all-gathers, reduce-scatters, SDPA and gelu forwards,
+counted below the dispatcher, so torch's collectives count too); for ours, ``end_of_forward``
+(``MemoryTracker``'s bytes by category once the loss exists) and the tracker's ``memory`` of
+step 2. Then ``flops`` (``FlopCounterMode``: a plain step, a checkpointed step, a no-grad
+forward) and ``times`` (plain and checkpointed steps, interleaved).
 
 ``saved_for_backward`` (used in-process by the notebook) lists what autograd saves for one call.
 """
@@ -45,6 +46,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from minifsdp import fsdp1, fsdp2
 from minifsdp.memory import MemoryTracker
 from minifsdp.models import GPT, Block, GPTConfig, apply_activation_checkpointing
+from minifsdp.parity import divergence_line
 
 CFG = GPTConfig(vocab_size=128, seq_len=64, n_layer=4, n_head=4, d_model=128)
 LOCAL, STEPS, TRACKED, TIMED = 8, 3, 1, 8  # sequences per rank; steps; step 2; timed rounds
@@ -215,9 +217,13 @@ def main() -> None:
     configs, models, ref = {}, {}, None
     for name in names:
         configs[name], params, models[name] = run(name, mesh, info)
-        ref = ref or params
-        configs[name]["bitwise"] = list(params) == list(ref) and all(
-            torch.equal(params[k], ref[k]) for k in ref)
+        ref = ref or (configs[name]["losses"], params)  # ours plain raf's
+        sides, where = (name, names[0]), f"rank {info.rank}"
+        losses = divergence_line(configs[name]["losses"], ref[0], names=sides,
+                                 where=f"{where}, losses")
+        line = divergence_line(params, ref[1], names=sides, where=where)
+        configs[name]["bitwise"] = list(params) == list(ref[1]) and line is None
+        configs[name]["divergence"] = losses or line
 
     # cost of the recomputation: FLOPs (exact) and step time (noisy), same batch each time
     x, y = (t.to(info.device) for t in batch(STEPS, info.rank, n))

@@ -13,10 +13,13 @@ Runs (each from the same seed, on the same Markov-chain token batches, Adam):
 Per run and rank: the losses, the all-gather and amax all-reduce records of ``minifsdp.comm``
 per group, what each group holds (shapes, padded shard sizes, which are float8), the memory
 of one step by category (``MemoryTracker``), and the final full parameters' bitwise equality
-with ``simulate``: ONE process that quantizes each full weight with the scale of its own
-amax, dequantizes, runs the N ranks' batches one by one and averages their gradients as the
-reduce-scatter does (at N = 2 ``(g0 + g1) / 2`` is the same float sum in any order; Note
-[bitwise parity] in ``minifsdp/train.py``). Results: ``rank{r}.json`` under ``MINIFSDP_OUT``.
+(Note [parity] in ``minifsdp/parity.py``) with ``simulate``: ONE process that quantizes each
+full weight with the scale of its own amax, dequantizes, runs the N ranks' batches one by one
+and averages their gradients as the reduce-scatter does (at N = 2 ``(g0 + g1) / 2`` is the
+same float sum in any order; Note [bitwise parity] in ``minifsdp/train.py``).
+``sim_divergence`` says where the run first differs from the simulation (its losses, then its
+parameters), or is None; ``sim_worst`` is the parameters' largest difference, or None.
+Results: ``rank{r}.json`` under ``MINIFSDP_OUT``.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from minifsdp.data import MarkovTokens
 from minifsdp.fsdp2.float8 import enable_float8_all_gather, quantize_dequantize
 from minifsdp.memory import MemoryTracker
 from minifsdp.models import GPT, GPTConfig
+from minifsdp.parity import divergence_line, first_divergence, max_abs_diff, worst_divergence
 from minifsdp.train import loss_fn
 
 CFG = GPTConfig(vocab_size=64, seq_len=32, n_layer=2, n_head=4, d_model=32)
@@ -143,12 +147,19 @@ def run(steps: int, modes: list[str], mesh, rank: int) -> dict:
         if MODES[mode][0]:
             sim = simulate(mode, steps, world)
             # rank r's loss of each step is the simulation's r-th forward of that step
-            summary["sim_losses_equal"] = [a == b for a, b in zip(
-                got["losses"], sim["all_losses"][rank::world])]  # per step
-            summary["sim_params_bitwise"] = {k: torch.equal(got["params"][k], sim["params"][k])
-                                             for k in got["params"]}
-            summary["sim_max_abs_diff"] = max(float((got["params"][k] - sim["params"][k])
-                                                    .abs().max()) for k in got["params"])
+            sim_losses = sim["all_losses"][rank::world]
+            summary["sim_losses_equal"] = [first_divergence(a, b) is None for a, b in zip(
+                got["losses"], sim_losses)]  # per step
+            summary["sim_params_bitwise"] = {k: first_divergence(v, sim["params"].get(k)) is None
+                                             for k, v in got["params"].items()}
+            names, where = ("fsdp", "simulation"), f"rank {rank}"
+            losses = divergence_line(got["losses"], sim_losses, names=names,
+                                     where=f"{where}, losses")
+            params = divergence_line(got["params"], sim["params"], names=names, where=where)
+            summary["sim_divergence"] = losses or params  # the first difference's line, or None
+            summary["sim_max_abs_diff"] = max_abs_diff(got["params"], sim["params"])
+            worst = worst_divergence(got["params"], sim["params"], names=names, where=where)
+            summary["sim_worst"] = None if worst is None else str(worst)  # the largest one
         out["runs"][mode] = summary
     return out
 

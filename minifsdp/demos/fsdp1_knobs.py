@@ -16,7 +16,10 @@ exists by then):
   bytes] in ``minifsdp.comm``) and the dtypes they moved in;
 - ``memory``: ``MemoryTracker``'s peak, its categories, the largest ``params`` / ``grads`` /
   ``comm`` bytes over the step and what is left at its end;
-- ``bitwise_torch``: the full parameters after both steps equal torch FSDP1's, ``losses``.
+- ``bitwise_torch``: the full parameters after both steps equal torch FSDP1's bit for bit, and
+  ``vs_torch``: where they first differ (Note [parity] in ``minifsdp/parity.py``), or None;
+  ``losses``; for ``clip``, ``norm_bitwise_torch`` and ``norm_vs_torch`` the same of the total
+  norm.
 
 Some configurations add their own measurement: ``accumulate`` and ``no_sync`` the bytes of
 gradients held after the first of two micro-batches, ``frozen`` whether the frozen parameters
@@ -44,6 +47,7 @@ from minifsdp import comm, fsdp1, fsdp2, torch_order
 from minifsdp.dist import dist_setup, finish
 from minifsdp.memory import MemoryTracker
 from minifsdp.models import GPT, Block, GPTConfig
+from minifsdp.parity import divergence_line
 from minifsdp.torch_order import SHORT
 from minifsdp.train import loss_fn, use_foreach
 
@@ -250,12 +254,15 @@ def main() -> None:
         if name not in chosen:
             continue
         ours, theirs = run("ours", knobs, info, events), run("torch", knobs, info, events)
-        ours["bitwise_torch"] = all(torch.equal(ours["params"][k], v.to(ours["params"][k]))
-                                    for k, v in theirs["params"].items())
+        where = f"rank {info.rank}, {name}"
+        line = divergence_line(ours["params"], {k: v.to(ours["params"][k]) for k, v in
+                                                theirs["params"].items()}, where=where)
+        ours["bitwise_torch"], ours["vs_torch"] = line is None, line
         ours["torch_events"], ours["torch_losses"] = theirs["events"], theirs["losses"]
         if "norm" in ours:
-            ours["torch_norm"], ours["norm_bitwise_torch"] = theirs["norm"], \
-                ours["norm"] == theirs["norm"]
+            norm = divergence_line(ours["norm"], theirs["norm"], where=f"{where}, total norm")
+            ours["torch_norm"], ours["norm_bitwise_torch"] = theirs["norm"], norm is None
+            ours["norm_vs_torch"] = norm
         del ours["params"]
         configs[name] = ours
     for name, knobs in FSDP2_CONFIGS.items():
