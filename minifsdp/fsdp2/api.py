@@ -479,8 +479,10 @@ def _shard_dims(roots: tuple[nn.Module, ...], params: list[tuple[nn.Parameter, O
 def _managed_params(roots: tuple[nn.Module, ...], ignored: set[nn.Parameter]
                     ) -> list[tuple[nn.Parameter, Owners]]:
     """The parameters in the ``roots``' subtrees outside nested ``fully_shard`` modules and
-    not in ``ignored``, in ``named_parameters`` order (root by root), each with every
-    (module, name) holding it."""
+    not in ``ignored``, each with every (module, name) holding it, in torch's order: modules in
+    post-order (a module's children before its own parameters, root by root; torch's
+    ``_get_managed_modules``), so that the group's flat layout, and with it the order in which
+    a backend sums each element, is torch's."""
     found: dict[nn.Parameter, Owners] = {}
     seen: set[nn.Module] = set()
 
@@ -488,6 +490,8 @@ def _managed_params(roots: tuple[nn.Module, ...], ignored: set[nn.Parameter]
         if module in seen or (module not in roots and isinstance(module, FSDPModule)):
             return  # a module shared twice, or one a nested fully_shard manages
         seen.add(module)
+        for child in module.children():
+            visit(child)
         for name, p in module._parameters.items():
             if p is None or p in ignored:
                 continue
@@ -495,10 +499,9 @@ def _managed_params(roots: tuple[nn.Module, ...], ignored: set[nn.Parameter]
                 raise ValueError(
                     f"{type(module).__name__}.{name} is shared with a module that an earlier "
                     "fully_shard already sharded; shard the modules that share a parameter in "
-                    "one fully_shard call (e.g. on their common parent)")
+                    "one fully_shard call: fully_shard([module_a, module_b]), or on their common "
+                    "parent")
             found.setdefault(p, []).append((module, name))
-        for child in module.children():
-            visit(child)
 
     for root in roots:
         visit(root)
