@@ -189,6 +189,14 @@ REVIEWED = {
     ("fsdp1/fully_sharded.py", 'return {_clean(k): v.detach().to("cpu", copy=True) '
                                'for k, v in sd.items()}'):
         "a full state dict is gathered to host memory, as torch's offload_to_cpu",
+    ("fsdp2/fsdp_param.py", 'return torch.device("cpu")'):
+        "mesh_device: a CPU mesh's device; a GPU mesh gets its current device (torch's "
+        "_get_device_from_mesh)",
+    ("fsdp2/fsdp_param.py", 'padded = padded.cpu()'):
+        "CPUOffloadPolicy: the sharded parameter lives in host memory (Note [FSDP2 CPU offload])",
+    ("fsdp2/fsdp_param.py", 'grad = grad.to(torch.device("cpu"), non_blocking=non_blocking)'):
+        "CPUOffloadPolicy: the reduced gradient is copied back to host memory, as torch's "
+        "foreach_reduce",
     ("fsdp2/mixed_precision.py", 'if device_type != "cpu" and backend != "gloo":  # NCCL (or '
                                  'another accelerator backend)'):
         "gloo's dtype limits are checked on gloo only; NCCL takes bf16/fp16/fp8",
