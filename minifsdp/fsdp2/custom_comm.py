@@ -17,7 +17,9 @@ dtype and device (we check, and name the comm otherwise); the call must leave
 ``output_tensor`` holding what ``all_gather_into_tensor`` / ``reduce_scatter_tensor`` would
 (computed any way it likes) and return a work handle when ``async_op=True`` (or ``None``
 once finished). Everything else -- which buffers, the copy-in and copy-out, the divisions,
-HSDP's all-reduce across replicas (always ours, as in torch) -- stays FSDP's. The defaults,
+HSDP's all-reduce across replicas (always ours, as in torch) -- stays FSDP's. Every
+all-gather of the group goes through its comm: the k-rank one after
+``reshard_after_forward=k`` too, and an extension group's ``uint8`` buffer. The defaults,
 ``DefaultAllGather`` / ``DefaultReduceScatter``, do what a group always did. Both setters act
 on the module's own group only, not its children's, as torch's.
 
@@ -44,7 +46,9 @@ and a record of bytes that never crossed the wire would be wrong.
 
 Where ours differs from torch: torch runs no collective in a shard group of one (its
 all-gather allocates nothing, its reduce-scatter allocates both buffers and copies); we call
-the comm on the group of one. torch checks nothing when a comm is set; we refuse an object
+the comm on the group of one. Ours passes ``async_op=True`` for a prefetch's all-gather and
+waits later (Note [issue and wait] in ``prefetch.py``); torch passes ``False`` and overlaps
+in its all-gather stream. torch checks nothing when a comm is set; we refuse an object
 without the protocol's methods (``check_comm``).
 """
 
