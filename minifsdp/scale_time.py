@@ -25,32 +25,52 @@ for H100 SXM in stas00/ml-engineering, compute/accelerator/README.md (MAMF table
 peak) -- the best a large bf16 matmul does, so compute time here is a lower bound and MFU an
 upper one; NVLink 4: 900 GB/s both directions, so 450e9 B/s bus bandwidth, the line rate;
 8 GPUs a node. The network: one 400 Gb/s NIC per GPU, 8 per node (DGX H100; torchtitan's
-benchmarks/llama3_h100_202412_torchtitan.md: "400 Gb/s per GPU"). A ring that spans nodes does
-not squeeze through one NIC: NCCL builds one ring per channel and puts each channel's
-node-crossing hop on a different NIC, so all 8 NICs carry a share and the bus bandwidth of a
-node-spanning ring is bounded by the node's 8 x 50 GB/s = 400e9 B/s, not by one NIC's 50
-(NCCL's own cost model, src/graph/tuning.cc ``ncclTopoTuneModel``: busBw = nChannels x
-per-channel speed). Published nccl-tests all_reduce bus bandwidths on H100 + NDR clusters are
-400-450 GB/s at multi-GB sizes (e.g. Saturn Cloud's cluster-validation guide, "H100 SXM, NVLink +
-IB NDR: 400-450 GB/s", which includes SHARP/NVLS offload where present): 8x to 9x the one-NIC
-figure this module used before. Line rates make communication times lower bounds.
+benchmarks/llama3_h100_202412_torchtitan.md: "400 Gb/s per GPU"); ``inter_bw`` is the node's
+8 NICs together, 8 x 50 GB/s = 400e9 B/s. A ring that spans nodes with all 8 of a node's GPUs
+in it does not squeeze through one NIC: NCCL builds one ring per channel and puts each
+channel's node-crossing hop on a different NIC, so all 8 NICs carry a share (NCCL's own cost
+model, src/graph/tuning.cc ``ncclTopoTuneModel``: busBw = nChannels x per-channel speed), and
+its bus bandwidth is bounded by 400e9 B/s at line rate. Groups with fewer GPUs per node get
+fewer NICs (Note [a group's share of the NICs]). A vendor's cluster-validation guide lists
+400-450 GB/s as the all_reduce_perf bus bandwidth to expect at 8 GB and more on H100 SXM with
+NVLink and IB NDR (Saturn Cloud, "Validating Multi-Node GPU Clusters with NCCL Tests",
+saturncloud.io/blog/crusoe-nccl-cluster-validation), without saying which algorithm: a ring
+cannot exceed 400 at line rate, so a figure above it comes from another one, in-network
+reduction (NVLS, SHARP) above all. Line rates make communication times lower bounds.
 
-Note [collective time]: ``latency + wire / busbw``, with wire = (N-1)/N S for all-gather
-and reduce-scatter and 2(N-1)/N S for all-reduce, S the full tensor's bytes -- nccl-tests'
-bus bandwidth convention (its doc/PERFORMANCE.md), so one measured busbw serves every N and
-op. The link: a group whose ranks share a node (ranks are numbered node by node) runs at
-``intra_bw``; a group that spans nodes runs at ``inter_bw`` (Note [hardware defaults]: all 8
-NICs of a node, so only 1.1x below NVLink). The latency is a *ring's*, as NCCL models it
+Note [a group's share of the NICs]: the GPUs of a node each have their own NIC, and every
+group of one mesh dimension runs its collective at the same time (each rank issues the same
+collective at the same point of the step). A group with ``k`` of its ranks on a node sends
+and receives its node-crossing traffic through the NICs of those k GPUs, while the node's
+other GPUs' NICs carry their own groups' traffic: its bus bandwidth across nodes is
+``k x 50 GB/s = inter_bw x k / gpus_per_node``, set by the node where it has fewest ranks.
+FSDP's ring over all N ranks has k = 8 on every node: all 8 NICs, 400 GB/s. HSDP 8 x N/8
+shards within a node, so each replicate group has k = 1, one GPU per node, and the node's 8
+replicate groups all-reduce at once through its 8 NICs: one NIC, 50 GB/s, each -- routing a
+group through a neighbour's NIC (NCCL's PXN) frees no bandwidth, since that NIC carries its
+own group's all-reduce. NCCL's tuning marks the case as well: ``ppn = nRanks / nNodes``, "if
+ppn < 2, then we are sending/receiving at the same GPU through the NIC, apply some bw
+discount" (src/graph/tuning.cc, ``ncclTopoTuneModel``; the discount it applies is to the
+LL128 protocol, 0.7 instead of 0.92, and is not modelled here). Not modelled either: a
+network oversubscribed above the leaf switches.
+
+Note [collective time]: ``latency + wire / busbw``, with wire = (N-1)/N S for all-gather and
+reduce-scatter and 2(N-1)/N S for all-reduce, S the full tensor's bytes -- nccl-tests' bus
+bandwidth convention (its doc/PERFORMANCE.md), so one measured busbw serves every N and op. The
+link: a group whose ranks share a node (ranks are numbered node by node) runs at ``intra_bw``;
+a group that spans nodes runs at its share of ``inter_bw``, k / 8 of it with k of its ranks per
+node (Note [a group's share of the NICs]): FSDP's ring 400 GB/s, only 1.1x below NVLink; HSDP's
+replicate group, one rank per node, 50 GB/s. The latency is a *ring's*, as NCCL models it
 (src/graph/tuning.cc, Ring/Simple, the protocol of large messages): a base of 8.4 us plus one
 per-hop latency per ring step -- N-1 steps for all-gather and reduce-scatter, 2(N-1) for
-all-reduce -- of which the steps that cross nodes (nodes-1, resp. 2(nodes-1)) cost 14 us
-(NCCL 2.18.1 and later; 2.17 charged 9.6) and the rest 3.4 us (NVLink). So a ring's latency
-grows linearly with N: 4.8 ms for an all-gather over 1024 GPUs, as much as moving 1.9 GB.
-We model the ring for all three ops. NCCL has only the ring for all-gather and reduce-scatter
-at these sizes (PAT, its logarithmic algorithm, is for one GPU per node), but for all-reduce it
-may pick a tree, whose latency grows with log2(nodes) instead (tuning.cc: 2 ((N/nodes - 1)
-intra + log2(nodes) inter)) at a lower bandwidth: for HSDP's all-reduce the ring is the
-pessimistic choice. Not modelled: congestion, stragglers, SHARP / NVLS in-network reductions.
+all-reduce -- of which the steps that cross nodes (nodes-1, resp. 2(nodes-1)) cost 14 us (NCCL
+2.18.1 and later; 2.17 charged 9.6) and the rest 3.4 us (NVLink). So a ring's latency grows
+linearly with N: 4.8 ms for an all-gather over 1024 GPUs, as much as moving 1.9 GB. We model
+the ring for all three ops. NCCL has only the ring for all-gather and reduce-scatter at these
+sizes (PAT, its logarithmic algorithm, is for one GPU per node), but for all-reduce it may pick
+a tree, whose latency grows with log2(nodes) instead (tuning.cc: 2 ((N/nodes - 1) intra +
+log2(nodes) inter)) at a lower bandwidth: for HSDP's all-reduce the ring is the pessimistic
+choice. Not modelled: congestion, stragglers, SHARP / NVLS in-network reductions.
 
 Note [exposed communication at scale]: one compute stream, one communication stream, and
 prefetching one unit ahead (chapter 06). Each stretch of compute hides the communication
@@ -93,17 +113,30 @@ class Hardware:
     peak_flops: float = 989e12
     achievable_flops: float = 794.5e12
     intra_bw: float = 450e9
-    inter_bw: float = 400e9
+    inter_bw: float = 400e9  # a node's NICs together (one per GPU)
     base_latency: float = 8.4e-6
     intra_latency: float = 3.4e-6  # per ring step on NVLink
     inter_latency: float = 14e-6  # per ring step that crosses nodes (NCCL >= 2.18.1)
     gpus_per_node: int = 8
 
-    def bandwidth(self, level: str) -> float:
-        """Bus bandwidth of ``"intra"`` (one node) or ``"inter"`` (a group spanning nodes)."""
+    def bandwidth(self, level: str, per_node: int | None = None) -> float:
+        """Bus bandwidth of ``"intra"`` (one node) or ``"inter"``: a group spanning nodes with
+        ``per_node`` of its ranks on each (the fewest on any; default all ``gpus_per_node``)
+        gets that share of a node's NICs (Note [a group's share of the NICs]).
+
+        Example:
+            >>> H100.bandwidth("inter") / 1e9, H100.bandwidth("inter", per_node=1) / 1e9
+            (400.0, 50.0)
+        """
         if level not in LINKS:
             raise ValueError(f"unknown link {level!r}; expected one of {LINKS}")
-        return self.intra_bw if level == "intra" else self.inter_bw
+        if level == "intra":
+            return self.intra_bw
+        k = self.gpus_per_node if per_node is None else per_node
+        if not 1 <= k <= self.gpus_per_node:
+            raise ValueError(f"per_node={per_node}: a group has 1 to {self.gpus_per_node} "
+                             "of its ranks on each node it spans")
+        return self.inter_bw * k / self.gpus_per_node
 
 
 H100 = Hardware()
@@ -111,8 +144,11 @@ LLAMA31_8B = Transformer(32, 4096, 32, 8, 14336, 128256, 8192)  # Llama 3.1 8B's
 
 # What torchtitan reports for FSDP2 alone (1-D) on H100s (pytorch/torchtitan
 # benchmarks/llama3_h100_202412_torchtitan.md, docs/performance.md until June 2025, Tables 1 and
-# 3, the tables of its paper, arXiv 2410.06511): Llama 3.1 8B, local batch 2, sequence 8192,
-# selective activation checkpointing, no torch.compile, no Float8; tokens/s per GPU.
+# 3, the tables of its paper, arXiv 2410.06511): Llama 3.1 8B, local batch size 2, selective
+# activation checkpointing, no torch.compile, no Float8; tokens/s per GPU. The file does not
+# state the sequence length: 8192 is seq_len in torchtitan's train_configs/llama3_8b.toml at the
+# commit it lists (9dec370). Its "33% to 39% MFU" are, by its tables, without and with
+# torch.compile (5,762 and 6,667 tok/s on 8 GPUs), though its sentence pairs them the other way.
 PUBLISHED = [
     {"model": "Llama 3.1 8B", "gpus": 8, "micro_batch": 2, "seq_len": 8192, "tps": 5762},
     {"model": "Llama 3.1 8B", "gpus": 128, "micro_batch": 2, "seq_len": 8192, "tps": 5605},
@@ -236,6 +272,23 @@ def predict_messages(messages: list[dict], latency: dict[str, float],
             for m in messages]
 
 
+def _span(groups: list[range], gpus_per_node: int) -> tuple[int, int]:
+    """(nodes, per_node) of the slowest of ``groups`` of ranks numbered node by node: the most
+    nodes one spans, and the fewest ranks one has on a node (Note [a group's share of the NICs]).
+
+    Example:
+        >>> _span([range(0, 16, 8), range(4, 16, 8)], 8)   # one rank on each of 2 nodes
+        (2, 1)
+    """
+    nodes, per_node = 0, gpus_per_node
+    for g in groups:
+        counts: dict[int, int] = {}
+        for r in g:
+            counts[r // gpus_per_node] = counts.get(r // gpus_per_node, 0) + 1
+        nodes, per_node = max(nodes, len(counts)), min(per_node, *counts.values())
+    return nodes, per_node
+
+
 # ---- one step --------------------------------------------------------------------------------
 
 def schedule(model: Transformer, n_gpus: int, micro_batch: int, seq_len: int,
@@ -244,7 +297,8 @@ def schedule(model: Transformer, n_gpus: int, micro_batch: int, seq_len: int,
              reshard_after_forward: bool = True) -> dict:
     """The step as Note [exposed communication at scale] sees it: ``stretches`` (name, compute
     s, comm s hidden behind it), the exposed edges ``first`` and ``last``, and every
-    ``collective`` (unit, op, S bytes, group size, nodes spanned, link, seconds). ``shard``:
+    ``collective`` (unit, op, S bytes, group size, nodes spanned, fewest ranks on a node,
+    link, seconds). ``shard``:
     HSDP's shard group size (None: FSDP over all ``n_gpus``). ``param_bytes`` /
     ``reduce_bytes``: bytes per element of the all-gathers and of the gradient reductions --
     the defaults are bf16 parameters with an fp32 reduce, chapter 07's advice and torchtitan's
@@ -254,29 +308,32 @@ def schedule(model: Transformer, n_gpus: int, micro_batch: int, seq_len: int,
     if s_deg < 1 or n_gpus % s_deg:
         raise ValueError(f"shard={shard}: must divide the {n_gpus} GPUs into equal groups")
     r_deg, gpn = n_gpus // s_deg, hw.gpus_per_node
-    # ranks are numbered node by node: the shard group is s_deg consecutive ranks, the
-    # replicate group every s_deg-th one
-    shard_nodes = -(-s_deg // gpn)
-    rep_nodes = len({k * s_deg // gpn for k in range(r_deg)})
+    # ranks are numbered node by node: a shard group is s_deg consecutive ranks, a replicate
+    # group every s_deg-th one; all groups of a kind run at once, sharing the nodes' NICs
+    # (Note [a group's share of the NICs])
+    shard_span = _span([range(g * s_deg, (g + 1) * s_deg) for g in range(r_deg)], gpn)
+    rep_span = _span([range(j, n_gpus, s_deg) for j in range(s_deg)], gpn)
     colls: list[dict] = []
 
-    def coll(unit: str, op: str, numel: int, n: int, nodes: int) -> float:
+    def coll(unit: str, op: str, numel: int, n: int, span: tuple[int, int]) -> float:
         size = (param_bytes if op == "all_gather" else reduce_bytes) * numel
+        nodes, per_node = span
         link = "intra" if nodes == 1 else "inter"
-        t = collective_time(op, size, n, hw.bandwidth(link), ring_latency(op, n, nodes, hw))
+        t = collective_time(op, size, n, hw.bandwidth(link, per_node if nodes > 1 else None),
+                            ring_latency(op, n, nodes, hw))
         colls.append({"unit": unit, "op": op, "bytes": size, "n": n, "nodes": nodes,
-                      "link": link, "seconds": t})
+                      "per_node": per_node, "link": link, "seconds": t})
         return t
 
     root, block = (sum(math.prod(s) for s in u) for u in model.units()[:2])
 
     def ag(unit: str) -> float:
-        return coll(unit, "all_gather", root if unit == "root" else block, s_deg, shard_nodes)
+        return coll(unit, "all_gather", root if unit == "root" else block, s_deg, shard_span)
 
     def rs(unit: str) -> float:  # HSDP: reduce-scatter in the node, all-reduce the 1/S slice
         numel = root if unit == "root" else block
-        t = coll(unit, "reduce_scatter", numel, s_deg, shard_nodes)
-        return t + (coll(unit, "all_reduce", numel // s_deg, r_deg, rep_nodes) if r_deg > 1 else 0)
+        t = coll(unit, "reduce_scatter", numel, s_deg, shard_span)
+        return t + (coll(unit, "all_reduce", numel // s_deg, r_deg, rep_span) if r_deg > 1 else 0)
 
     tokens, rate = micro_batch * seq_len, hw.achievable_flops
     f_block, f_head = (tokens * f / rate for f in forward_flops_per_token(model, seq_len))

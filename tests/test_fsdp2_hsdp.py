@@ -389,6 +389,29 @@ def test_hsdp_divide_factors_are_torchs(r, s):
         assert gradient_divide_factors(s, dtype, r) == (pre, post, rs_op), (r, s, dtype)
 
 
+@pytest.mark.parametrize("r,s", [(2, 2), (2, 3), (4, 2), (1, 4)])
+def test_hsdp_divide_factor_is_torchs(r, s):
+    """``set_gradient_divide_factor`` under HSDP (Note [divide factor]): torch's pre / post
+    divisions and reduce-scatter op, and its all-reduce op (SUM: the factor is the whole
+    divisor, pytorch#155903 / #155915), with and without ``force_sum``."""
+    from minifsdp.fsdp2.mixed_precision import all_reduce_op
+
+    shard, replicate = (type("Group", (), {"size": lambda self, n=n: n})() for n in (s, r))
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        for factor in (float(s), float(r * s), 2.5, 16.0):
+            for force in (False, True):
+                pre, post, rs_op, ar_op = _get_gradient_divide_factors(
+                    shard, replicate, dtype, "cpu", factor, force)
+                ours = gradient_divide_factors(s, dtype, r, factor, force)
+                where = (r, s, dtype, factor, force)
+                assert ours[:2] == (pre, post), (where, ours, (pre, post))
+                if "PREMUL" in str(rs_op):  # its factor is not readable back from the op
+                    assert "PREMUL" in str(ours[2]), where
+                else:
+                    assert ours[2] == rs_op, (where, ours[2], rs_op)
+                assert all_reduce_op(ours[2], factor) == ar_op, (where, ar_op)
+
+
 def test_mesh_info_of_a_1d_mesh_is_plain_fsdp(cpu_mesh):
     info = mesh_info(cpu_mesh)
     assert info.placements == (Shard(0),) and not info.is_hsdp

@@ -223,8 +223,9 @@ def test_gradient_divide_factor_and_force_sum_are_torchs(n):
                     assert "PREMUL" in str(ours[2]) and factor not in (None, float(n)), where
                 else:
                     assert ours[2] == op, (where, ours[2], op)
-    with pytest.raises(NotImplementedError, match="HSDP"):
-        mixed_precision.gradient_divide_factors(2, fp32, replicate_size=2, factor=3.0)
+    # HSDP with a factor: tests/test_fsdp2_hsdp.py; a shard group of 1 is refused
+    with pytest.raises(NotImplementedError, match="HSDP mesh with a shard group of 1"):
+        mixed_precision.gradient_divide_factors(1, fp32, replicate_size=2, factor=3.0)
 
 
 def test_dtypes_of_every_tensor(mesh):

@@ -64,6 +64,53 @@ def test_tied_weight_split_over_groups_is_refused_and_one_group_trains_like_torc
         assert t["vs_one"] < 1e-5, t["vs_one"]
 
 
+def test_frozen_parameters_are_gathered_in_bf16_and_left_out_of_the_fp32_reduce_scatter(ranks):
+    """Section 7: the frozen embedding is all-gathered (bf16) with the group but reduce-scattered
+    only once unfrozen (fp32); ours issues torch's collectives and trains torch's bits, also after
+    a first forward that saw the whole model frozen (pytorch#186998: ours reduced in bf16)."""
+    for r in ranks:
+        f, padded = r["frozen"], r["frozen"]["padded"]
+        total, emb = sum(padded.values()), padded["emb.weight"]
+        shard = total // len(ranks)  # each rank's all-gather input: its padded shards
+        want = [[["all_gather", "bfloat16", shard], ["reduce_scatter", "float32", total - emb]]]
+        want += 2 * [[["all_gather", "bfloat16", shard], ["reduce_scatter", "float32", total]]]
+        for variant in ("fp32 base", "eval first"):
+            v = f[variant]
+            assert v["ops"]["ours"] == v["ops"]["torch"] == want, (variant, v["ops"])
+            assert v["error"] == {"ours": None, "torch": None}, (variant, v["error"])
+            assert v["vs_torch"] is None, (variant, v["vs_torch"])
+            assert v["emb_kept"] == {"ours": True, "torch": True}, (variant, v["emb_kept"])
+
+
+def test_a_bf16_frozen_base_unfrozen_later_fails_alike(ranks):
+    for r in ranks:
+        v = r["frozen"]["bf16 base"]
+        assert v["error"]["ours"] is not None and v["error"]["ours"] == v["error"]["torch"], v
+        assert v["error"]["ours"]["step"] == 1, v["error"]  # the first step after unfreezing
+        assert "grad_dtype 'BFloat16'" in v["error"]["ours"]["error"], v["error"]
+        assert v["ops"]["ours"] == v["ops"]["torch"], v["ops"]
+
+
+HSDP4 = Job("hsdp_n4", "minifsdp.demos.pitfalls", 4, ("--hsdp",))
+
+
+@fixture_of(HSDP4)
+def hsdp(launched):
+    return [r["hsdp"] for r in launched[HSDP4].result().ranks]
+
+
+def test_hsdp_divide_factor_is_the_world_size(hsdp):
+    """Section 8, a 2 x 2 mesh: the factor R S gives bitwise the gradients of no factor, the
+    shard size S bitwise R times them; ours equals torch's bit for bit with each factor."""
+    for h in hsdp:
+        assert (h["R"], h["S"]) == (2, 2), h
+        assert h["world_is_none"] and h["shard_is_R_world"], h
+        assert h["vs_torch"] == {"none": None, "world": None, "shard": None}, h["vs_torch"]
+        assert h["vs_one"]["world"] < 1e-5 and h["vs_one"]["none"] < 1e-5, h["vs_one"]
+        assert h["vs_one"]["shard"] > 1e-3, h["vs_one"]
+        assert h["flat_vs_hsdp"] < 1e-5, h["flat_vs_hsdp"]
+
+
 ACC3 = Job("accumulation_n3", "minifsdp.demos.accumulation", 3)
 
 

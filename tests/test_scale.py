@@ -264,7 +264,10 @@ def test_hsdp_two_levels():
     """FSDP across nodes runs node-spanning rings over 64 ranks; HSDP (8 x 8) gathers and
     reduces within a node over NVLink and all-reduces a 1/8 slice across the 8 nodes. Times
     by hand from NCCL's ring model: base 8.4 us + 3.4 us per NVLink step + 14 us per
-    network step, bytes at 450 GB/s in a node and 400 GB/s (8 NICs) across."""
+    network step, bytes at 450 GB/s in a node; across nodes, the NICs of the group's own GPUs
+    (Note [a group's share of the NICs]): FSDP's ring has 8 ranks on each node, 8 NICs,
+    400 GB/s; each replicate group has 1, and the node's 8 replicate groups all-reduce at once:
+    one NIC, 50 GB/s (400 GB/s here would give HSDP a node's 8 NICs 8 times over)."""
     m = PRESETS["70B"]
     block = sum(math.prod(s) for s in m.block_shapes())
     fsdp = schedule(m, 64, 1, 4096)["collectives"]
@@ -284,20 +287,50 @@ def test_hsdp_two_levels():
                                           rel=1e-12)
     ar = next(c for c in hsdp if c["op"] == "all_reduce" and c["unit"] == "blocks.3")
     assert ar["bytes"] == 4 * (block // 8)
+    assert (ar["nodes"], ar["per_node"]) == (8, 1)
     assert ar["seconds"] == pytest.approx(8.4e-6 + 14 * 14e-6 + 2 * 7 / 8 * 4 * (block // 8)
-                                          / 400e9, rel=1e-12)
+                                          / 50e9, rel=1e-12)
+    # HSDP 16 x 4: replicate groups of every 4th rank, 2 ranks per node, 2 NICs: 100 GB/s
+    narrow = schedule(m, 64, 1, 4096, shard=4)["collectives"]
+    ar4 = next(c for c in narrow if c["op"] == "all_reduce" and c["unit"] == "blocks.3")
+    assert (ar4["n"], ar4["nodes"], ar4["per_node"]) == (16, 8, 2)
+    assert ar4["seconds"] == pytest.approx(8.4e-6 + 16 * 3.4e-6 + 14 * 14e-6
+                                           + 2 * 15 / 16 * 4 * (block // 4) / 100e9, rel=1e-12)
     # One node: everything on NVLink; HSDP 4 x 2 inside it all-reduces over NVLink too.
     assert {c["link"] for c in schedule(m, 8, 1, 4096)["collectives"]} == {"intra"}
     assert {c["link"] for c in schedule(m, 8, 1, 4096, shard=4)["collectives"]} == {"intra"}
     # HSDP 2 x 32 (shard groups of 4 nodes): replicas 32 ranks apart, 2 nodes
     wide = schedule(m, 64, 1, 4096, shard=32)["collectives"]
-    assert {(c["op"], c["n"], c["nodes"]) for c in wide} == {
-        ("all_gather", 32, 4), ("reduce_scatter", 32, 4), ("all_reduce", 2, 2)}
+    assert {(c["op"], c["n"], c["nodes"], c["per_node"]) for c in wide} == {
+        ("all_gather", 32, 4, 8), ("reduce_scatter", 32, 4, 8), ("all_reduce", 2, 2, 1)}
+    # A shard group that straddles nodes (6 ranks: 0-5, then 6-7 on node 0 with 8-11 on
+    # node 1) is as slow as its straddling groups: 2 nodes, 2 ranks on one of them.
+    odd = schedule(m, 48, 1, 4096, shard=6)["collectives"]
+    assert {(c["op"], c["nodes"], c["per_node"]) for c in odd if c["op"] != "all_reduce"} == {
+        ("all_gather", 2, 2), ("reduce_scatter", 2, 2)}
     # A bf16 reduce halves the reduction's bytes.
     bf16 = schedule(m, 64, 1, 4096, reduce_bytes=2)["collectives"]
     assert next(c for c in bf16 if c["op"] == "reduce_scatter")["bytes"] == 2 * block
     with pytest.raises(ValueError, match="shard=3"):
         schedule(m, 64, 1, 4096, shard=3)
+
+
+def test_bandwidth_per_node_and_doctests():
+    """A node-spanning group gets the NICs of its own GPUs on each node (Note [a group's share
+    of the NICs]); the module's examples hold."""
+    import doctest
+
+    from minifsdp import scale_time
+
+    assert H100.bandwidth("intra") == 450e9 and H100.bandwidth("intra", 1) == 450e9
+    assert [H100.bandwidth("inter", k) for k in (1, 2, 8)] == [50e9, 100e9, 400e9]
+    assert H100.bandwidth("inter") == H100.inter_bw == 8 * 50e9
+    for bad in (0, 9):
+        with pytest.raises(ValueError, match=f"per_node={bad}"):
+            H100.bandwidth("inter", bad)
+    with pytest.raises(ValueError, match="unknown link 'nvlink'"):
+        H100.bandwidth("nvlink")
+    assert doctest.testmod(scale_time).failed == 0
 
 
 def test_ring_latency_grows_with_n():
@@ -308,13 +341,15 @@ def test_ring_latency_grows_with_n():
     lat = [ring_latency("reduce_scatter", n, n // 8) for n in (64, 128, 256, 512, 1024)]
     steps = [b - a for a, b in zip(lat, lat[1:])]
     assert all(d > 0 for d in steps) and steps == sorted(steps)  # linear in N: doubling steps
-    # What follows: at 64 GPUs HSDP buys nothing (within 1%); at 1024 GPUs the 7B model's
-    # small blocks cannot hide FSDP's 1023-step rings, which HSDP keeps inside a node.
+    # What follows: at 64 GPUs HSDP buys nothing -- its one-NIC all-reduce costs it a little
+    # (within 3%); at 1024 GPUs the 7B model's small blocks cannot hide FSDP's 1023-step
+    # rings, which HSDP keeps inside a node, though not its own 254-step all-reduce at one NIC:
+    # it recovers part of FSDP's loss, not all of it.
     m = PRESETS["7B"]
     f64, h64 = (step_time(m, 64, 1, 4096, shard=s)["mfu"] for s in (None, 8))
-    assert abs(h64 / f64 - 1) < 0.01
+    assert 0.97 * f64 < h64 < f64
     f1k, h1k = (step_time(m, 1024, 1, 4096, shard=s)["mfu"] for s in (None, 8))
-    assert h1k > 1.5 * f1k
+    assert 1.4 * f1k < h1k < 0.8 * h64
 
 
 @pytest.mark.parametrize("reshard", [True, False])

@@ -1,8 +1,9 @@
-"""Chapter 11's worker: three problems FSDP2 users file, each reproduced and then fixed, with
-our ``fully_shard`` beside torch's. Run under torchrun at N = 2::
+"""Chapter 11's worker: problems FSDP2 users file, each reproduced and then fixed, with our
+``fully_shard`` beside torch's. Run under torchrun at N = 2 (section 8: ``--hsdp`` at N = 4)::
 
     run = torchrun("minifsdp.demos.pitfalls", nproc=2, chapter="11")
     run.ranks[1]["unused"]["sends"]["experts"]   # {"params": ["experts.e.1.weight", ...], ...}
+    hsdp = torchrun("minifsdp.demos.pitfalls", "--hsdp", nproc=4, chapter="11", name="hsdp")
 
 Per rank it reports:
 
@@ -27,13 +28,24 @@ Per rank it reports:
   own (where ours and torch's refuse it, and with what), then both in one group, the root's
   or their own (the list form ``fully_shard([emb, head])``, ``list_*``): 3 SGD steps against
   torch's and one process's, and whether the tie still holds.
+- ``frozen`` (Note [frozen parameters' dtypes] in ``fsdp2/mixed_precision.py``): a pretrained
+  embedding frozen at step 0 and trained from step 1, in the root's group with the trainable
+  layers, under ``param_dtype=bf16, reduce_dtype=fp32``: per variant ("fp32 base", "bf16
+  base", "eval first": the whole model frozen for its first forward), ours and torch's, each
+  step's all-gather and reduce-scatter ``(op, dtype, input numel)``, the error a step raises,
+  whether the frozen step left the embedding untouched, the parameters' first divergence from
+  torch's; ``padded``: each parameter's padded numel.
+- ``hsdp`` (``--hsdp``, a 2 x N/2 mesh): ``set_gradient_divide_factor`` with none, the world
+  size and the shard size (``hsdp_factor``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import sys
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
@@ -399,6 +411,155 @@ def tied() -> dict:
             "list_vs_one": max_abs_diff(params["ours list"], params["one"])}
 
 
+# ---- 7. frozen parameters under a mixed-precision policy -----------------------------------
+
+@contextlib.contextmanager
+def torch_collectives():
+    """``(op, dtype, numel)`` of each all-gather and reduce-scatter *input* that torch's
+    ``fully_shard`` issues inside the block (torch 2.14.1 calls ``dist.all_gather_single`` and
+    ``dist.reduce_scatter_single`` through the module; ours are logged by ``minifsdp.comm``)."""
+    seen, saved = [], {}
+    for name, op in (("all_gather_single", "all_gather"),
+                     ("reduce_scatter_single", "reduce_scatter")):
+        saved[name] = fn = getattr(dist, name)
+
+        def wrapped(*args, _fn=fn, _op=op, **kwargs):
+            x = args[1] if len(args) > 1 else kwargs.get("input_tensor", kwargs.get("input"))
+            seen.append((_op, str(x.dtype).removeprefix("torch."), x.numel()))
+            return _fn(*args, **kwargs)
+
+        setattr(dist, name, wrapped)
+    try:
+        yield seen
+    finally:
+        for name, fn in saved.items():
+            setattr(dist, name, fn)
+
+
+def train_frozen(fs, policy_cls, variant: str) -> dict:
+    """A tiny LM whose embedding is pretrained: frozen at step 0, trained from step 1 (a staged
+    unfreezing), all of it in the root's group under ``param_dtype=bf16, reduce_dtype=fp32``.
+    ``variant``: "fp32 base" (the embedding kept in fp32 like the rest), "bf16 base" (loaded in
+    bf16), "eval first" (fp32; the whole model frozen for one forward before training)."""
+    torch.manual_seed(0)
+    model = Greedy().to(info.device)
+    if variant == "bf16 base":
+        model.emb.to(torch.bfloat16)
+    model.emb.weight.requires_grad_(False)
+    frozen_first = [p for p in model.parameters() if p.requires_grad]
+    if variant != "eval first":
+        frozen_first = []
+    for p in frozen_first:
+        p.requires_grad_(False)
+    fs(model, mesh=mesh, mp_policy=policy_cls(param_dtype=torch.bfloat16,
+                                              reduce_dtype=torch.float32))
+    if frozen_first:  # the first forward sees no trainable parameter (pytorch#186998)
+        model(tokens_batch(9)[0].chunk(N)[rank])
+        model.reshard()  # the root keeps its parameters after a forward: back to the shards
+        for name, p in model.named_parameters():
+            p.requires_grad_(name != "emb.weight")
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    out = {"ops": [], "error": None}
+    emb0 = full(model)["emb.weight"]
+    for step in range(STEPS):
+        if step == 1:
+            model.emb.weight.requires_grad_(True)  # the staged unfreezing
+            out["emb_kept"] = torch.equal(full(model)["emb.weight"], emb0)  # after step 0
+        x, y = tokens_batch(step)
+        x, y = x.chunk(N)[rank], y.chunk(N)[rank].clamp(min=0)
+        try:
+            with comm.logging_comm() as log, torch_collectives() as theirs:
+                F.cross_entropy(model(x).flatten(0, 1), y.flatten()).backward()
+        except RuntimeError as e:
+            out["error"] = {"step": step, "error": str(e).splitlines()[0]}
+            break
+        out["ops"].append(theirs if fs is torch_fully_shard else [
+            (r.op, r.dtype, r.bytes * 8 // torch.finfo(getattr(torch, r.dtype)).bits)
+            for r in log.comms()])
+        opt.step()
+        opt.zero_grad()
+    out["params"] = full(model)
+    return out
+
+
+def frozen() -> dict:
+    """Section 7: each variant of ``train_frozen``, ours and torch's: the collectives of every
+    step, where it fails, and the parameters after 3 steps against torch's."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMixedPrecisionPolicy
+
+    impls = {"ours": (fsdp2.fully_shard, fsdp2.MixedPrecisionPolicy),
+             "torch": (torch_fully_shard, TorchMixedPrecisionPolicy)}
+    # the padded (dim-0 chunks of N) elements of each parameter: a group's collective sizes
+    padded = {k: -(-v.shape[0] // N) * N * v[0].numel() for k, v in full(Greedy()).items()}
+    out = {"padded": padded}
+    for variant in ("fp32 base", "bf16 base", "eval first"):
+        runs = {name: train_frozen(fs, mp, variant) for name, (fs, mp) in impls.items()}
+        out[variant] = {
+            "ops": {k: r["ops"] for k, r in runs.items()},
+            "error": {k: r["error"] for k, r in runs.items()},
+            "emb_kept": {k: r.get("emb_kept") for k, r in runs.items()},
+            "vs_torch": divergence_line(runs["ours"]["params"], runs["torch"]["params"],
+                                        names=("fsdp2", "torch"), where=f"rank {rank}")}
+    return out
+
+
+# ---- 8. HSDP's divide factor (run with --hsdp at N = 4) ------------------------------------
+
+def hsdp_factor() -> dict:
+    """Section 8, on a 2 x 2 mesh (replicate x shard): ``set_gradient_divide_factor`` with
+    none, the world size R S and the shard size S (with ``set_force_sum_reduction_for_comms``:
+    gloo has no PREMUL_SUM), ours and torch's; each rank's loss the mean over its own rows.
+    Step 0's full gradients (ours): with R S, bitwise those of no factor? with S, bitwise R
+    times them? Then 3 SGD steps: ours against torch's, against one process, and against
+    our 1-D mesh of R S ranks with the same factor (pytorch#155903: the factor means the
+    same on both meshes)."""
+    R, S = 2, N // 2
+    mesh2 = init_device_mesh(info.device.type, (R, S), mesh_dim_names=("replicate", "shard"))
+    factors = {"none": None, "world": float(R * S), "shard": float(S)}
+
+    def mlp(fs=None, on=None, factor=None):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(),
+                              nn.Linear(32, 4)).to(info.device)
+        if fs is not None:
+            fs(model[2], mesh=on)
+            fs(model, mesh=on)
+            if factor is not None:
+                for m in each_fsdp_module(model):
+                    m.set_gradient_divide_factor(factor)
+                    m.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM
+        return model
+
+    def train(model, sharded=True):
+        opt, grads = torch.optim.SGD(model.parameters(), lr=0.1), None
+        for step in range(STEPS):
+            x, y = routed_batch(step)
+            for q in ([rank] if sharded else range(N)):
+                loss = F.cross_entropy(model(x.chunk(N)[q]), y.chunk(N)[q])
+                (loss if sharded else loss / N).backward()
+            if step == 0:
+                grads = {k: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad)
+                         .clone() for k, p in model.named_parameters()}
+            opt.step()
+            opt.zero_grad()
+        return grads, full(model)
+
+    runs = {(f, name): train(mlp(fs, mesh2, factor))
+            for f, factor in factors.items() for name, fs in IMPLS.items()}
+    one = train(mlp(), sharded=False)[1]
+    flat = train(mlp(fsdp2.fully_shard, mesh, factors["world"]))[1]  # 1-D, N ranks
+    g = {f: runs[f, "ours"][0] for f in factors}
+    return {"R": R, "S": S,
+            "world_is_none": all(torch.equal(g["world"][k], g["none"][k]) for k in g["none"]),
+            "shard_is_R_world": all(torch.equal(g["shard"][k], R * g["world"][k])
+                                    for k in g["world"]),
+            "vs_torch": {f: divergence_line(runs[f, "ours"][1], runs[f, "torch"][1],
+                                            names=("fsdp2", "torch"), where=f"rank {rank}")
+                         for f in factors},
+            "vs_one": {f: max_abs_diff(runs[f, "ours"][1], one) for f in factors},
+            "flat_vs_hsdp": max_abs_diff(flat, runs["world", "ours"][1])}
+
+
 def mismatched_reduce_scatter() -> None:
     """``--mismatch``: what Section 1's experts of different sizes would do -- one reduce-scatter
     whose input is 8 elements on rank 0 and 12 on the others. No backend supports it; this job
@@ -410,6 +571,12 @@ def mismatched_reduce_scatter() -> None:
 if "--mismatch" in sys.argv:
     mismatched_reduce_scatter()
     finish({"rank": rank, "returned": True})  # reached only if the backend let it through
+elif "--hsdp" in sys.argv:
+    if N % 2:
+        raise SystemExit(f"minifsdp.demos.pitfalls --hsdp: a 2 x (N / 2) mesh needs an even N, "
+                         f"got N = {N} (run it at N = 4)")
+    finish({"rank": rank, "world_size": N, "hsdp": hsdp_factor()})
 else:
     finish({"rank": rank, "world_size": N, "unused": unused(), "tokens": tokens(),
-            "reset": reset(), "forward_method": forward_method(), "tied": tied()})
+            "reset": reset(), "forward_method": forward_method(), "tied": tied(),
+            "frozen": frozen()})

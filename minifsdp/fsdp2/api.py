@@ -210,9 +210,10 @@ class FSDPModule:
     def set_gradient_divide_factor(self, factor: float) -> None:
         """Divide this module's summed gradients by ``factor`` instead of the number of ranks
         (e.g. the global token count when the loss is a sum). This module's group only, as
-        torch's. On gloo a ``factor`` other than N needs
-        ``set_force_sum_reduction_for_comms(True)`` (Note [divide factor] in
-        ``mixed_precision.py``)::
+        torch's. ``factor`` divides the sum over *every* rank: on an HSDP mesh (R, S) the mean
+        is ``factor = R * S``, not the shard size S (which gives R times the gradient). On gloo
+        a ``factor`` other than the shard size needs ``set_force_sum_reduction_for_comms(True)``
+        (Note [divide factor] in ``mixed_precision.py``; chapter 11, section 8)::
 
             for m in model.modules():
                 if isinstance(m, FSDPModule):

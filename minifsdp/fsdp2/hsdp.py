@@ -50,12 +50,14 @@ E.g. R = 16 nodes of S = 8 GPUs, Psi = 7e9: per rank and step, 2 (15/16) 28 GB /
 go through an all-reduce across nodes instead of about 3 x 28 GB = 84 GB through node-
 spanning rings, and each GPU holds 16 Psi / 8 = 14 GB of model state instead of
 16 Psi / 128 = 0.9 GB. What those bytes cost depends on the network. On a DGX H100 cluster
-(a 400 Gb/s NIC per GPU) NCCL spreads a node-spanning ring over all 8 NICs, so its bus
-bandwidth is close to NVLink's for large messages; what grows is the ring's latency, linear
-in N (Notes [hardware defaults] and [collective time] in ``minifsdp/scale_time.py``, which
-chapter 09 uses to price both). With fewer NICs per node, or TCP, the bytes dominate and
-HSDP's 13x fewer of them decide. Measured at R = S = 2 on the test GPT:
-tests/test_fsdp2_hsdp.py.
+(a 400 Gb/s NIC per GPU) NCCL spreads FSDP's node-spanning ring over all 8 NICs of a node, so
+its bus bandwidth is close to NVLink's for large messages, while HSDP's all-reduce, one rank
+per node, shares the node's 8 NICs with the node's 7 other replicate groups: one NIC each,
+8x less bandwidth for its 13x fewer bytes. What grows with N is every ring's latency,
+linear in N (Notes [hardware defaults], [a group's share of the NICs] and [collective time]
+in ``minifsdp/scale_time.py``, which chapter 09 uses to price both). With fewer NICs per
+node, or TCP, the bytes dominate and HSDP's 13x fewer of them decide. Measured at
+R = S = 2 on the test GPT: tests/test_fsdp2_hsdp.py.
 
 Note [HSDP accumulation]: with several micro-batches per step, each backward but the step's
 last may reduce as usual (the default) or skip part of it:

@@ -124,11 +124,12 @@ def resolve_dtypes(policy: MixedPrecisionPolicy, orig_dtype: torch.dtype,
 @dataclass(frozen=True)
 class GroupDtypes:
     """One parameter group's dtypes: ``gather`` (all-gather buffer, unsharded parameters),
-    ``orig`` (the sharded parameters and their ``.grad``) and ``reduce`` (the reduce-scatter;
-    ``None`` when the group has no trainable parameter)."""
+    ``orig`` (the sharded parameters and their ``.grad``) and ``reduce`` (the reduce-scatter);
+    the last two ``None`` for a frozen group of several dtypes (Note [frozen parameters'
+    dtypes])."""
 
     gather: torch.dtype
-    orig: torch.dtype
+    orig: torch.dtype | None
     reduce: torch.dtype | None
 
 
@@ -137,7 +138,18 @@ def group_dtypes(params: list[tuple[str, torch.dtype, bool]], policy: MixedPreci
     """Check and return the dtypes of a group of ``(name, dtype, requires_grad)`` parameters.
 
     One flat all-gather buffer needs one dtype (torch falls back to gathering raw bytes; we
-    refuse), and the reduce-scatter output is cast back to one dtype (torch refuses too)."""
+    refuse), and the reduce-scatter output is cast back to one dtype (torch refuses too).
+
+    Note [frozen parameters' dtypes]: the reduce and original dtypes come from the trainable
+    parameters, read at the first forward (``lazy_init``); frozen ones get no gradient, so
+    their dtype is free (pytorch#154103). A group with no trainable parameter at that moment
+    -- frozen for a first eval pass or a staged unfreezing -- takes them from its floating
+    parameters, so that unfreezing it later reduces in the policy's ``reduce_dtype``
+    (torch 2.14.1's ``_init_mp_dtypes``, since pytorch#187376 fixed pytorch#186998; before,
+    such a group reduce-scattered in ``param_dtype``); if those disagree, like torch, nothing
+    is resolved (``orig`` and ``reduce`` None) and a later reduction is refused. The dtypes
+    are not read again: a frozen parameter of another dtype that is unfrozen after the first
+    forward fails at the next backward, in torch as here (chapter 11, section 7)."""
     gather: dict[torch.dtype, list[str]] = {}
     for name, dtype, _ in params:
         gather.setdefault(resolve_dtypes(policy, dtype)[0] or dtype, []).append(name)
@@ -151,18 +163,19 @@ def group_dtypes(params: list[tuple[str, torch.dtype, bool]], policy: MixedPreci
                          f"one flat buffer of one dtype, but they would be gathered as "
                          f"{found}. To fix: {fix}give the parameters one dtype "
                          "(module.to(dtype)), or shard them in separate fully_shard calls")
-    trainable = [(n, d) for n, d, grad in params if grad]
-    origs = {d for _, d in trainable} or {d for _, d, _ in params}
-    if len(origs) > 1:
+    trainable = [d for _, d, grad in params if grad]
+    basis = trainable or [d for _, d, _ in params if d.is_floating_point]
+    origs = set(basis)
+    if trainable and len(origs) > 1:
         raise ValueError(f"fully_shard({group}): trainable parameters of dtypes "
                          f"{sorted(map(str, origs))} in one group; their reduce-scatter output "
                          "is cast back to one dtype (torch refuses this too): give them one "
                          "dtype or shard them in separate fully_shard calls")
     (gather_dtype,) = gather
-    reduce = None
-    if trainable:
-        reduce = resolve_dtypes(policy, trainable[0][1])[1] or gather_dtype
-    return GroupDtypes(gather_dtype, next(iter(origs)), reduce)
+    if len(origs) != 1:  # frozen, of several dtypes (Note [frozen parameters' dtypes])
+        return GroupDtypes(gather_dtype, None, None)
+    (orig,) = origs
+    return GroupDtypes(gather_dtype, orig, resolve_dtypes(policy, orig)[1] or gather_dtype)
 
 
 GLOO_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)  # Note [gloo dtypes]
@@ -210,8 +223,13 @@ def gradient_divide_factors(world_size: int, reduce_dtype: torch.dtype,
     collective: the input is only divided by ``factor`` (torch copies ``input / factor``; with
     ``force_sum`` or fp16 torch 2.14 then also applies its post-factor, dividing twice; we
     divide once).
-    minifsdp takes ``factor`` on a 1-D mesh only: for HSDP torch divides within the shard
-    group and sums across replicas, two ops where this function returns one.
+    Under HSDP (``replicate_size`` R > 1) ``factor`` divides the sum over all R S ranks, as on a
+    1-D mesh of R S ranks (pytorch#155903, fixed by pytorch#155915): ``op`` (AVG only when
+    ``factor`` is the shard size S, else PREMUL_SUM, or SUM with ``force_sum``) is the
+    reduce-scatter's, and the all-reduce across replicas then SUMs (``all_reduce_op``). So
+    the mean is ``factor = R S``; the shard size S gives R times the gradient (chapter 11,
+    section 8). HSDP with S = 1 and a factor is refused: torch runs no reduce-scatter there
+    and divides twice under ``force_sum``.
 
     Example:
         >>> gradient_divide_factors(4, torch.float16)
@@ -223,9 +241,10 @@ def gradient_divide_factors(world_size: int, reduce_dtype: torch.dtype,
     """
     ranks = world_size * replicate_size
     overflow_risk = reduce_dtype not in (torch.float32, torch.bfloat16)
-    if factor is not None and replicate_size > 1:
-        raise NotImplementedError("set_gradient_divide_factor on an HSDP mesh: minifsdp divides "
-                                  "on a 1-D mesh only (Note [divide factor])")
+    if factor is not None and replicate_size > 1 and world_size == 1:
+        raise NotImplementedError("set_gradient_divide_factor on an HSDP mesh with a shard group "
+                                  "of 1: torch runs no reduce-scatter and divides twice there "
+                                  "under force_sum; minifsdp refuses it (Note [divide factor])")
     if factor is not None and ranks == 1 and not overflow_risk:
         return None, factor, ReduceOp.SUM  # no collective: the input over factor
     if not overflow_risk and not force_sum:
@@ -242,6 +261,14 @@ def gradient_divide_factors(world_size: int, reduce_dtype: torch.dtype,
     while factor % pre == 0 and factor / pre > pre:
         pre *= 2
     return pre, factor / pre, ReduceOp.SUM
+
+
+def all_reduce_op(op: Any, factor: float | None) -> Any:
+    """HSDP's all-reduce op, given the reduce-scatter's ``op`` from ``gradient_divide_factors``:
+    the same op, but SUM under ``set_gradient_divide_factor`` -- the reduce-scatter (or the
+    post-division) already divides by the whole ``factor`` (Note [divide factor]; torch:
+    ``_get_gradient_divide_factors``' fourth value)."""
+    return op if factor is None else ReduceOp.SUM
 
 
 def divide_if_needed(tensor: torch.Tensor, factor: float | None) -> None:

@@ -16,9 +16,10 @@ UNSHARDED, drop the buffer. Both are idempotent -- ``unshard`` does nothing whil
 unsharded or its all-gather is in flight, ``wait_for_unshard`` nothing when none is -- so the
 group's own pre-forward / pre-backward simply calls both, whether or not someone prefetched.
 On gloo the collective runs on gloo's worker thread while the main thread computes; but on a
-CPU that thread copies the bytes with the cores the compute needs, so on few cores little is
-hidden (chapter 06 measured it on 2). Chapter 06 shows the overlap on a simulated link instead
-(Note [simulated link] in ``minifsdp/simulated_link.py``); on GPUs NCCL's stream makes it real.
+CPU that thread copies the bytes with the cores the compute needs, so on few cores a timing
+measures contention for them, not overlap. Chapter 06 shows the overlap on a simulated link
+instead (Note [simulated link] in ``minifsdp/simulated_link.py``), with gloo's own time beside
+it; on GPUs NCCL's stream makes it real.
 
 Note [which group is next]: a prefetch must guess the next group. Three sources, as in torch:
   * implicit backward (on by default, torch's behaviour): backward runs the groups in the

@@ -19,7 +19,7 @@ import torch
 from minifsdp import comm
 from minifsdp.fsdp2.custom_comm import allocate, release
 from minifsdp.fsdp2.fsdp_param import FSDPParam
-from minifsdp.fsdp2.mixed_precision import divide_if_needed, gradient_divide_factors
+from minifsdp.fsdp2.mixed_precision import all_reduce_op, divide_if_needed, gradient_divide_factors
 from minifsdp.fsdp2.shard_placement import grads_to_dim0_layout
 from minifsdp.memory import tag
 
@@ -46,6 +46,12 @@ def foreach_reduce(group: FSDPParamGroup, params: list[FSDPParam],
         foreach_reduce(group, group.fsdp_params, grads)
         lin.weight.grad.to_local().shape                    # (4 / N rows, 8), averaged
     """
+    if group.dtypes.orig is None:  # Note [frozen parameters' dtypes] in mixed_precision.py
+        raise RuntimeError(
+            f"fully_shard({group.name}): {', '.join(p.name for p in params)} got gradients, but "
+            "the group's parameters were all frozen at its first forward and of several dtypes "
+            "(torch 2.14.1 resolves no reduce dtype then either): give them one dtype, or shard "
+            "the ones you unfreeze in a fully_shard call of their own")
     dtype = reduce_scatter_dtype(group, grads)  # seam "fsdp2.reduce_dtype" (lab 07)
     grads_to_dim0_layout(params, grads, group.world_size)  # Note [Shard(i) layout]
     # seam "fsdp2.reduce_scatter_copy_in" (lab 05)
@@ -90,8 +96,8 @@ def reduce_grads(group: FSDPParamGroup, flat: torch.Tensor) -> torch.Tensor | No
         if group.partial_reduce_output is not None:
             out += group.partial_reduce_output
             group.partial_reduce_output = None
-        comm.all_reduce(out, op, group.replicate_group,
-                        tag=f"fsdp2 grads-allreduce {group.name}")
+        comm.all_reduce(out, all_reduce_op(op, group.gradient_divide_factor),
+                        group.replicate_group, tag=f"fsdp2 grads-allreduce {group.name}")
     if group.all_reduce_hook is not None:  # FSDPModule.set_all_reduce_hook, as torch: here
         group.all_reduce_hook(out)
     divide_if_needed(out, post)

@@ -48,14 +48,14 @@ def check_token_weights(fn) -> bool:
 
 # What one reduce-scatter over every rank does when the ranks send what they send (Section 1):
 # one parameter list everywhere -> "ok"; lists that differ but have the same total size -> the
-# collective runs and sums different parameters, "silently wrong"; different sizes -> "hang"
-# (NCCL waits for bytes that never come; gloo aborts).
+# collective runs and sums different parameters, "silently wrong"; different sizes -> "fails"
+# (gloo aborts with a size mismatch; on NCCL the outcome is undefined: a hang or wrong data).
 REDUCE_SCATTER_CASES = [
     ([[("a", 8), ("b", 4)], [("a", 8), ("b", 4)]], "ok"),
     ([[("e0", 16)], [("e1", 16)]], "silently wrong"),
-    ([[("e0", 16)], [("e1", 12)]], "hang"),
+    ([[("e0", 16)], [("e1", 12)]], "fails"),
     ([[("a", 8), ("e0", 16)], [("a", 8), ("e1", 16)], [("a", 8), ("e0", 16)]], "silently wrong"),
-    ([[("a", 8)], [("a", 8)], [("a", 8), ("b", 4)]], "hang"),
+    ([[("a", 8)], [("a", 8)], [("a", 8), ("b", 4)]], "fails"),
     ([[("a", 4), ("b", 8)], [("b", 8), ("a", 4)]], "silently wrong"),
     ([[], []], "ok"),
     ([[("x", 6)], [("x", 6)], [("x", 6)]], "ok"),
@@ -63,7 +63,7 @@ REDUCE_SCATTER_CASES = [
 
 
 def check_reduce_scatter_outcome(fn) -> bool:
-    """``fn(sends)`` -> ``"ok"``, ``"silently wrong"`` or ``"hang"``: what one reduce-scatter
+    """``fn(sends)`` -> ``"ok"``, ``"silently wrong"`` or ``"fails"``: what one reduce-scatter
     does when rank r's input is laid out from ``sends[r]``, its list of (parameter, padded
     numel) in order."""
     return check("reduce-scatter outcome", [((s,), want) for s, want in REDUCE_SCATTER_CASES],
