@@ -54,7 +54,9 @@ GPUs] (prefetch.py); [mixed precision], [gloo dtypes], [divide factor] (mixed_pr
 [HSDP], [HSDP accumulation], [reshard to k ranks] (hsdp.py); [all-gather extensions]
 (fsdp_param.py), [FP8 all-gather], [where ours is simpler than torchao] (float8.py); [Shard(i)
 layout] (shard_placement.py: ``fully_shard(..., shard_placement_fn=...)``, a parameter cut on
-another dim than 0, as torch's ``Shard(i)``).
+another dim than 0, as torch's ``Shard(i)``); [custom collectives] (custom_comm.py:
+``set_custom_all_gather`` / ``set_custom_reduce_scatter``, torch's ``AllGather`` /
+``ReduceScatter`` protocols).
 
 CPU offload: ``fully_shard(m, mesh=mesh, offload_policy=CPUOffloadPolicy())`` -- shards,
 sharded gradients and the optimizer's state in CPU memory, copied to the device for each
@@ -81,6 +83,7 @@ from minifsdp.fsdp2.api import (
     fully_shard,
     load_full_state_dict,
 )
+from minifsdp.fsdp2.custom_comm import AllGather, ReduceScatter
 from minifsdp.fsdp2.float8 import Float8Weight, enable_float8_all_gather
 from minifsdp.fsdp2.fsdp_param import CPUOffloadPolicy, FSDPParam, OffloadPolicy, chunk_dim0
 from minifsdp.fsdp2.fsdp_param_group import FSDPParamGroup, ShardedState, TrainingState
@@ -90,8 +93,9 @@ from minifsdp.fsdp2.mixed_precision import MixedPrecisionPolicy
 from minifsdp.fsdp2.prefetch import UnshardHandle
 
 __all__ = [
-    "CPUOffloadPolicy", "FSDPModule", "FSDPParam", "FSDPParamGroup", "FSDPState", "Float8Weight",
-    "MeshInfo", "MixedPrecisionPolicy", "OffloadPolicy", "ShardedState", "TrainingState",
-    "UnshardHandle", "chunk_dim0", "enable_float8_all_gather", "full_state_dict", "fully_shard",
-    "load_full_state_dict", "mesh_info", "register_fsdp_forward_method",
+    "AllGather", "CPUOffloadPolicy", "FSDPModule", "FSDPParam", "FSDPParamGroup", "FSDPState",
+    "Float8Weight", "MeshInfo", "MixedPrecisionPolicy", "OffloadPolicy", "ReduceScatter",
+    "ShardedState", "TrainingState", "UnshardHandle", "chunk_dim0", "enable_float8_all_gather",
+    "full_state_dict", "fully_shard", "load_full_state_dict", "mesh_info",
+    "register_fsdp_forward_method",
 ]

@@ -64,6 +64,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
+from minifsdp.fsdp2.custom_comm import AllGather, ReduceScatter, check_comm
 from minifsdp.fsdp2.fsdp_param import CPUOffloadPolicy, OffloadPolicy, Owners
 from minifsdp.fsdp2.fsdp_param_group import FSDPParamGroup
 from minifsdp.fsdp2.fsdp_state import FSDPState, listed_modules
@@ -244,6 +245,50 @@ class FSDPModule:
         for group in self._groups(recurse=False):
             group.all_reduce_hook = hook
 
+    def set_custom_all_gather(self, comm: AllGather) -> None:
+        """Replace this group's all-gather (torch's): ``comm.allocate(size, *, dtype, device)``
+        makes the group buffer and ``comm(output_tensor=, input_tensor=, group=, async_op=)``
+        fills it (Note [custom collectives] in ``custom_comm.py``: the protocol, who frees the
+        buffer, what ``minifsdp.comm`` logs). This module's group only, as torch's. minifsdp
+        refuses, naming this module and the method, an object without ``allocate`` or a
+        ``__call__`` taking those keywords (torch checks nothing). E.g. a comm that
+        all-gathers into a buffer it keeps::
+
+            class KeptBuffer(AllGather):
+                def allocate(self, size, *, dtype, device):
+                    self.buf = torch.empty(*size, dtype=dtype, device=device)
+                    return self.buf
+                def __call__(self, output_tensor, input_tensor, group, async_op=False):
+                    return dist.all_gather_into_tensor(output_tensor, input_tensor, group,
+                                                       async_op=async_op)
+
+            model.blocks[0].set_custom_all_gather(KeptBuffer())
+        """
+        check_comm(comm, "set_custom_all_gather", self._label())
+        for group in self._groups(recurse=False):
+            group.all_gather_comm = comm
+
+    def set_custom_reduce_scatter(self, comm: ReduceScatter) -> None:
+        """Replace this group's reduce-scatter (torch's): ``comm.allocate(size, *, dtype,
+        device)`` makes its input (the copy-in's target) and then its output (which the
+        sharded ``.grad``s view), and ``comm(output_tensor=, input_tensor=, group=, op=)``
+        reduces (Note [custom collectives]). HSDP's all-reduce across replicas stays FSDP's.
+        This module's group only; refuses a non-comm as ``set_custom_all_gather`` does. E.g.
+        a reduce-scatter as an all-reduce of the input, keeping this rank's slot::
+
+            class AllReduceSlice(ReduceScatter):
+                def allocate(self, size, *, dtype, device):
+                    return torch.empty(*size, dtype=dtype, device=device)
+                def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
+                    dist.all_reduce(input_tensor, op=op, group=group)
+                    output_tensor.copy_(input_tensor.chunk(group.size())[group.rank()])
+
+            model.set_custom_reduce_scatter(AllReduceSlice())
+        """
+        check_comm(comm, "set_custom_reduce_scatter", self._label())
+        for group in self._groups(recurse=False):
+            group.reduce_scatter_comm = comm
+
     def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
         """Reduce with SUM only, dividing before / after the collective instead of inside it
         (AVG, PREMUL_SUM); this module's group only, as torch's (Note [divide factor])."""
@@ -297,6 +342,11 @@ class FSDPModule:
                 state.implicit_forward_prefetch = forward
             if backward is not None:
                 state.implicit_backward_prefetch = backward
+
+    def _label(self) -> str:
+        """This module in errors: its group's name (the module's path after lazy init)."""
+        group = self.fsdp_state.group
+        return group.name if group is not None else type(self).__mro__[2].__name__
 
     def _groups(self, recurse: bool) -> list[FSDPParamGroup]:
         modules = self.modules() if recurse else [self]

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from minifsdp import comm
+from minifsdp.fsdp2.custom_comm import AllGather, allocate
 from minifsdp.fsdp2.fsdp_param import FSDPParam
 from minifsdp.memory import tag
 
@@ -39,11 +40,12 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def all_gather_copy_in_bytes(params: list[FSDPParam], gather_dtype: torch.dtype, rank: int,
-                             world_size: int, label: str,
+                             world_size: int, label: str, all_gather_comm: AllGather,
                              ) -> tuple[torch.Tensor, torch.Tensor, list]:
     """Run each extension's pre-hook, cast the other parameters' padded shards to
     ``gather_dtype``, and lay all their bytes into slot ``rank`` of a ``uint8`` buffer of
-    ``world_size`` slots. ``label``: the group's name, for tags. Returns ``(slot, buffer,
+    ``world_size`` slots, from ``all_gather_comm.allocate`` (Note [custom collectives]).
+    ``label``: the group's name, for tags. Returns ``(slot, buffer,
     layout)``: ``layout[i] = (dtypes, byte sizes, metadata)`` of parameter i's inputs, for
     the copy-out."""
     inputs: list[torch.Tensor] = []
@@ -58,7 +60,8 @@ def all_gather_copy_in_bytes(params: list[FSDPParam], gather_dtype: torch.dtype,
         layout.append(([t.dtype for t in ts], [t.numel() * t.element_size() for t in ts],
                        metadata))
     sizes = [t.numel() * t.element_size() for t in inputs]
-    gathered = inputs[0].new_empty(world_size * sum(sizes), dtype=torch.uint8)
+    gathered = allocate(all_gather_comm, world_size * sum(sizes), torch.uint8, inputs[0].device,
+                        f"{label}'s all-gather")
     tag(gathered, "comm", label="all-gather buffers")
     my_slot = gathered.narrow(0, rank * sum(sizes), sum(sizes))
     for dst, src in zip(my_slot.split(sizes), inputs):

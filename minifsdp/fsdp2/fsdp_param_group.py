@@ -63,9 +63,10 @@ buffer in ``param_dtype``, the reduce-scatter input in the reduce dtype; when th
 from the shards' dtype, the reduce-scatter output is ``comm`` too (it dies at once) and its
 cast-up copy is ``grads``; an accumulator of the reduce dtype (no sync) is ``grads``.
 
-Note [GPUs]: nothing here is device-specific -- buffers are made with ``new_empty`` on the
-parameters' device, the collectives take the mesh's process group (NCCL on GPUs) -- but this
-has only been run on CPU/gloo. On GPUs a blocking NCCL call only makes the current stream wait
+Note [GPUs]: nothing here is device-specific -- buffers are made on the parameters' device
+(``new_empty``, or a comm's ``allocate``: Note [custom collectives] in ``custom_comm.py``),
+the collectives take the mesh's process group (NCCL on GPUs) -- but this has only been run on
+CPU/gloo. On GPUs a blocking NCCL call only makes the current stream wait
 for the collective, so copy-out, freeing and the next kernels are ordered on that stream, and
 c10d keeps a collective's tensors from being reused by the caching allocator before NCCL is
 done with them.
@@ -108,6 +109,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from minifsdp import comm
+from minifsdp.fsdp2.custom_comm import DefaultAllGather, DefaultReduceScatter, allocate, release
 from minifsdp.fsdp2.extensions import all_gather_copy_in_bytes, all_gather_copy_out_bytes
 from minifsdp.fsdp2.fsdp_param import FSDPParam, OffloadPolicy, Owners
 from minifsdp.fsdp2.hsdp import mesh_info, post_forward_info
@@ -198,6 +200,8 @@ class FSDPParamGroup:
         self.reduce_scatter_unused_params = False
         self.all_reduce_hook = None  # set_all_reduce_hook: called on the reduced slot
         self.unshard_in_backward = True  # Note [no all-gather in backward]
+        # set_custom_all_gather / set_custom_reduce_scatter (Note [custom collectives])
+        self.all_gather_comm, self.reduce_scatter_comm = DefaultAllGather(), DefaultReduceScatter()
 
     def set_reshard_after_forward(self, reshard_after_forward: bool | int | None) -> None:
         """A bool, ``None`` (decided at lazy init) or an int k (Note [reshard to k ranks])."""
@@ -259,14 +263,16 @@ class FSDPParamGroup:
             group, world = self.post_forward_ranks.group, self.post_forward_ranks.size
         elif self.has_extensions:  # a byte buffer (extensions.py)
             my_slot, gathered, self._ext_layout = all_gather_copy_in_bytes(
-                self.fsdp_params, self.dtypes.gather, self.rank, self.world_size, self.name)
+                self.fsdp_params, self.dtypes.gather, self.rank, self.world_size, self.name,
+                self.all_gather_comm)
             group, world = self.process_group, self.world_size
         else:
             # seam "fsdp2.all_gather_copy_in" (lab 07): the mixed-precision cast
             my_slot, gathered = self._all_gather_copy_in()
             group, world = self.process_group, self.world_size
-        work = comm.all_gather_into_tensor(gathered, my_slot, group, async_op,
-                                           tag=f"fsdp2 params {self.name}")
+        with comm.tagged(f"fsdp2 params {self.name}"):  # Note [custom collectives]
+            work = self.all_gather_comm(output_tensor=gathered, input_tensor=my_slot,
+                                        group=group, async_op=async_op)
         self._in_flight = (work, gathered, world)
         if not async_op:
             self.wait_for_unshard()
@@ -285,7 +291,7 @@ class FSDPParamGroup:
                                       self.name)
         else:
             self._all_gather_copy_out(gathered, world)  # seam "fsdp2.all_gather_copy_out" (lab 05)
-        _free(gathered)
+        _free(gathered, self.all_gather_comm)
         self._post_forward_data = None
         for p in self.fsdp_params:
             p.to_unsharded()
@@ -300,7 +306,7 @@ class FSDPParamGroup:
             work, gathered, _ = self._in_flight
             if work is not None:
                 work.wait()
-            _free(gathered)
+            _free(gathered, self.all_gather_comm)
             self._in_flight = None
 
     @torch.no_grad()
@@ -312,7 +318,8 @@ class FSDPParamGroup:
         (Note [mixed precision]: fp32 shards in, half the bytes on the wire for bf16)."""
         inputs = [p.all_gather_input() for p in self.fsdp_params]
         slot_numel = sum(t.numel() for t in inputs)
-        gathered = inputs[0].new_empty(self.world_size * slot_numel, dtype=self.dtypes.gather)
+        gathered = allocate(self.all_gather_comm, self.world_size * slot_numel,
+                            self.dtypes.gather, inputs[0].device, f"{self.name}'s all-gather")
         tag(gathered, "comm", label="all-gather buffers")
         my_slot = gathered.narrow(0, self.rank * slot_numel, slot_numel)
         for dst, src in zip(my_slot.split([t.numel() for t in inputs]), inputs):
@@ -339,7 +346,9 @@ class FSDPParamGroup:
         """``_all_gather_copy_in`` for the k-rank all-gather: this rank's kept piece is its
         slot (Note [reshard to k ranks] in ``hsdp.py``)."""
         slot = self._post_forward_data.numel()
-        gathered = self._post_forward_data.new_empty(self.post_forward_ranks.size * slot)
+        gathered = allocate(self.all_gather_comm, self.post_forward_ranks.size * slot,
+                            self._post_forward_data.dtype, self._post_forward_data.device,
+                            f"{self.name}'s all-gather")
         tag(gathered, "comm", label="all-gather buffers")
         my_slot = gathered.narrow(0, self.post_forward_ranks.rank * slot, slot)
         my_slot.copy_(self._post_forward_data)
@@ -447,10 +456,11 @@ class FSDPParamGroup:
                 f"{self.sharded_state.name}, {self.training_state.name})")
 
 
-def _free(gathered: torch.Tensor) -> None:
+def _free(gathered: torch.Tensor, all_gather_comm) -> None:
     """Free an all-gather buffer after its copy-out, here and now (``resize_(0)``, not by
     dropping our reference: gloo's worker thread still holds the tensor for a moment after
     ``wait()``, which would make the free, and every measured peak, depend on thread timing).
     Nothing views the buffer (Note [copy-in and copy-out]); on CUDA the allocator still orders
-    its reuse after the copy-out (Note [prefetch on GPUs] in ``prefetch.py``)."""
-    gathered.untyped_storage().resize_(0)
+    its reuse after the copy-out (Note [prefetch on GPUs] in ``prefetch.py``). A custom comm's
+    buffer is left to it (Note [custom collectives])."""
+    release(gathered, all_gather_comm)

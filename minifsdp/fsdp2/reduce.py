@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from minifsdp import comm
+from minifsdp.fsdp2.custom_comm import allocate, release
 from minifsdp.fsdp2.fsdp_param import FSDPParam
 from minifsdp.fsdp2.mixed_precision import all_reduce_op, divide_if_needed, gradient_divide_factors
 from minifsdp.fsdp2.shard_placement import grads_to_dim0_layout
@@ -73,16 +74,18 @@ def reduce_grads(group: FSDPParamGroup, flat: torch.Tensor) -> torch.Tensor | No
                                             group.gradient_divide_factor,
                                             group.force_sum_reduction_for_comms)
     divide_if_needed(flat, pre)
-    out = flat.new_empty(flat.numel() // group.world_size)
+    rs = group.reduce_scatter_comm  # ours, or a custom one (Note [custom collectives])
+    out = allocate(rs, flat.numel() // group.world_size, flat.dtype, flat.device,
+                   f"{group.name}'s reduce-scatter output")
     # the sharded grads view the output -- unless it is cast up later, then it is transient
     tag(out, "grads" if out.dtype == group.dtypes.orig else "comm")
-    comm.reduce_scatter_tensor(out, flat, op, group.process_group,
-                               tag=f"fsdp2 grads {group.name}")
+    with comm.tagged(f"fsdp2 grads {group.name}"):
+        rs(output_tensor=out, input_tensor=flat, group=group.process_group, op=op)
     # Free the input here and now, not by dropping our reference: gloo's worker thread holds
     # it for a moment after the (blocking) collective returns, and a free at a time of its
     # choosing would move the step's peak from run to run (as ``_free`` in
-    # fsdp_param_group.py does for the all-gather buffer).
-    flat.untyped_storage().resize_(0)
+    # fsdp_param_group.py does for the all-gather buffer); a custom comm's is its own.
+    release(flat, rs)
     if group.replicate_group is not None:  # Note [HSDP]: only my 1/S slot crosses nodes
         if not group.all_reduce_grads:  # Note [HSDP accumulation]: keep it, reduced over S
             if group.partial_reduce_output is None:
@@ -113,7 +116,7 @@ def to_sharded_grads(group: FSDPParamGroup, params: list[FSDPParam], out: torch.
         low = out
         out = low.to(group.dtypes.orig)  # e.g. a bf16 reduce: fp32 .grad for the optimizer
         tag(out, "grads")
-        low.untyped_storage().resize_(0)  # now, not when gloo's thread lets go (as flat above)
+        release(low, group.reduce_scatter_comm)  # now, not when gloo lets go (as flat)
     offset = 0
     for p in params:
         mine = out[offset: offset + p.sharded_numel].view(p.sharded_size)
@@ -143,9 +146,11 @@ def reduce_scatter_copy_in(group: FSDPParamGroup, params: list[FSDPParam],
                            grads: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
     """The gradients in rank-major order, ``(N * S,)``: slot r holds chunk r of every
     gradient, each zero-padded to its padded shard size (S = their sum), in ``dtype`` (the
-    reduce dtype): ``_chunk_cat`` casts as it copies (Note [mixed precision])."""
+    reduce dtype): ``_chunk_cat`` casts as it copies (Note [mixed precision]). The buffer is
+    the group's reduce-scatter comm's (Note [custom collectives])."""
     slot_numel = sum(p.padded_shard_numel for p in params)
-    flat = grads[0].new_empty(group.world_size * slot_numel, dtype=dtype)
+    flat = allocate(group.reduce_scatter_comm, group.world_size * slot_numel, dtype,
+                    grads[0].device, f"{group.name}'s reduce-scatter input")
     tag(flat, "comm")
     torch._chunk_cat(grads, dim=0, num_chunks=group.world_size,
                      out=flat.view(group.world_size, slot_numel))

@@ -1,0 +1,197 @@
+"""``FSDPModule.set_custom_all_gather`` / ``set_custom_reduce_scatter`` (Note [custom
+collectives] in ``minifsdp/fsdp2/custom_comm.py``): ours against torch's ``fully_shard`` with
+the same comm classes.
+
+Two launches, ``tests/workers/fsdp2_custom_comm_worker.py`` at N = 2 and 3 (uneven rows, an
+empty shard at 3; fp32 and a bf16 ``MixedPrecisionPolicy``): an all-gather that allocates
+NaN-filled buffers itself and a reduce-scatter built from ``all_reduce`` and a slice, set on
+every module but one. The in-process tests at the end use a world of one.
+"""
+
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from jobs import Job, fixture_of
+
+from minifsdp.fsdp2 import AllGather, ReduceScatter, fully_shard
+from minifsdp.fsdp2.custom_comm import DefaultAllGather, DefaultReduceScatter
+
+PARALLEL = 2
+WORKER = str(Path(__file__).parent / "workers" / "fsdp2_custom_comm_worker.py")
+WORKERS = {n: Job(f"worker_{n}", WORKER, n) for n in (2, 3)}
+# torch 2.14's names (the old ones are deprecated there); older releases' otherwise
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+CASES = ("fp32", "bf16")
+STEPS = 3
+
+
+@fixture_of(*WORKERS.values())
+def worker(launched) -> dict[int, list[dict]]:
+    return {n: launched[job].result().ranks for n, job in WORKERS.items()}
+
+
+def every(worker):
+    """``(where, case)`` for every rank, N and case."""
+    return [(f"N = {n}, rank {r['rank']}, {c}", r[c]) for n, ranks in worker.items()
+            for r in ranks for c in CASES]
+
+
+def test_worker_custom_comms_train_bitwise_like_torch(worker):
+    """Losses, gradients and parameters of 3 Adam steps equal torch's with the same comms, bit
+    for bit, in fp32 and bf16; and equal ours with the default comms (on gloo a reduce-scatter
+    *is* an all-reduce and a slice: ``minifsdp.comm``'s Note [bytes vs wire bytes])."""
+    for where, case in every(worker):
+        assert case["vs_torch"] is None, f"{where}: {case['vs_torch']}"
+        assert case["vs_default"] is None, f"{where}: {case['vs_default']}"
+
+
+def test_worker_custom_comms_see_torchs_calls(worker):
+    """Each comm sees what torch's fully_shard asks of it, in order: allocate(N S) then the
+    all-gather of S into N S; allocate(N S) (the reduce-scatter input), allocate(S) (the
+    output), then the reduce-scatter with the same op; the dtypes bf16 under the policy. The
+    root's reduce-scatter is the one known move: ours when its last gradient is in, torch's
+    at the end of backward (Note [when is a group's backward over?]), so it is compared
+    apart. ``blocks.1`` kept the defaults (the setters are not recursive, even on the root)."""
+    not_root_rs = lambda calls: [c for c in calls if not c.startswith("root RS")]  # noqa: E731
+    for where, case in every(worker):
+        ours, theirs = case["calls"]["ours"], case["calls"]["torch"]
+        assert not_root_rs(ours) == not_root_rs(theirs), where
+        assert sorted(ours) == sorted(theirs), where
+        assert not any(c.startswith("blocks.1") for c in ours + theirs), where
+        n = int(where.split()[2].rstrip(","))
+        dtype = "torch.bfloat16" if where.endswith("bf16") else "torch.float32"
+        groups = ("emb", "blocks.0", "head", "root")
+        for g in groups:
+            gathers = [c for c in ours if c.startswith(f"{g} AG ") and "allocate" not in c]
+            # forward, and backward for all but the root (kept unsharded after forward)
+            assert len(gathers) == STEPS * (1 if g == "root" else 2), (where, g, gathers)
+            for c in gathers:
+                slot = int(c.split()[2])
+                assert c == f"{g} AG {slot} -> {n * slot} {dtype} over {n}", (where, c)
+            scatters = [c for c in ours if c.startswith(f"{g} RS ")]
+            assert len(scatters) == 3 * STEPS, (where, g, scatters)
+            for alloc_in, alloc_out, call in zip(*[iter(scatters)] * 3):
+                slot = int(alloc_out.split("(")[1].split(",")[0])
+                assert (alloc_in, alloc_out, call) == (
+                    f"{g} RS allocate ({n * slot},) {dtype}", f"{g} RS allocate ({slot},) {dtype}",
+                    f"{g} RS {n * slot} -> {slot} {dtype} over {n} op RedOpType.AVG"), where
+        head_slot = 22  # at N = 3 the head's rows are 2, 2, 0: padded to 2 rows + 2 of bias
+        assert n != 3 or f"head AG {head_slot} -> 66 {dtype} over 3" in ours, where
+
+
+def test_worker_custom_buffers_are_never_freed_under_the_comm(worker):
+    """A custom comm's buffers are its own: every one it handed out still has all its bytes
+    after 3 steps, ours as torch's (ours frees its default buffers with resize_(0))."""
+    for where, case in every(worker):
+        assert case["kept_alive"] == {"ours": True, "torch": True}, where
+
+
+def test_worker_async_op_is_ours_issue_and_wait(worker):
+    """The one argument that differs: ours issues backward prefetches with ``async_op=True``
+    and waits later (Note [issue and wait] in prefetch.py); torch passes ``False`` and
+    overlaps with its all-gather stream. The two prefetched groups here (``blocks.0``, from
+    ``blocks.1``'s pre-backward, and ``emb``) make 2 a step."""
+    for where, case in every(worker):
+        ours, theirs = case["async"]["ours"], case["async"]["torch"]
+        assert len(ours) == len(theirs) and not any(theirs), where
+        assert sum(ours) == 2 * STEPS, (where, ours)
+
+
+def test_worker_comm_log_records_only_what_goes_through_minifsdp_comm(worker):
+    """The custom comms call ``torch.distributed`` directly, so ``minifsdp.comm`` logs only
+    ``blocks.1``'s default collectives (Note [custom collectives], logging): per step its
+    forward and backward all-gathers and its reduce-scatter, under the group's tag."""
+    for where, case in every(worker):
+        assert case["logged"] == STEPS * ["all_gather fsdp2 params blocks.1",
+                                          "all_gather fsdp2 params blocks.1",
+                                          "reduce_scatter fsdp2 grads blocks.1"], where
+
+
+def test_worker_bad_comms_are_refused_by_name(worker):
+    """Ours refuses an object without ``allocate``, one that is not callable, and a
+    reduce-scatter given as an all-gather, naming the module, the method and what is missing;
+    torch's accepts all three silently (they would fail at the first collective). An
+    ``allocate`` of the wrong size fails at the first forward, naming the comm and group."""
+    for ranks in worker.values():
+        for r in ranks:
+            e = r["errors"]
+            assert e["torch_no_allocate"] is e["torch_not_callable"] is e["torch_swapped"] is None
+            assert e["ours_no_allocate"].startswith(
+                "TypeError: Linear.set_custom_all_gather: NoAllocate has no method allocate()")
+            assert e["ours_not_callable"].startswith(
+                "TypeError: Pair.set_custom_reduce_scatter: object has no method allocate()")
+            assert e["ours_swapped"].startswith(
+                "TypeError: Pair.set_custom_all_gather: AllReduceSlice.__call__() cannot be "
+                "called as FSDP calls it (missing a required argument: 'op')"), e
+            assert e["ours_wrong_size"].startswith(
+                "ValueError: WrongSize.allocate for root's all-gather returned"), e
+
+
+# ---- in process: a world of one -----------------------------------------------------------------
+
+class Kept(AllGather):
+    """One buffer per size, handed out again on every call (a persistent buffer)."""
+
+    def __init__(self):
+        self.bufs: dict = {}
+
+    def allocate(self, size, *, dtype, device):
+        return self.bufs.setdefault((tuple(size), dtype), torch.empty(*size, dtype=dtype,
+                                                                      device=device))
+
+    def __call__(self, output_tensor, input_tensor, group, async_op=False):
+        return all_gather_single(output_tensor, input_tensor, group, async_op=async_op)
+
+
+class Counted(ReduceScatter):
+    def __init__(self):
+        self.calls = 0
+
+    def allocate(self, size, *, dtype, device):
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
+        self.calls += 1
+        return reduce_scatter_single(output_tensor, input_tensor, op, group)
+
+
+def model_of(mesh) -> nn.Module:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3))
+    fully_shard(model[0], mesh=mesh)
+    return fully_shard(model, mesh=mesh)
+
+
+def test_defaults_and_not_recursive(cpu_mesh):
+    model = model_of(cpu_mesh)
+    group, child = model.fsdp_state.group, model[0].fsdp_state.group
+    assert type(group.all_gather_comm) is DefaultAllGather
+    assert type(group.reduce_scatter_comm) is DefaultReduceScatter
+    ag, rs = Kept(), Counted()
+    model.set_custom_all_gather(ag)
+    model.set_custom_reduce_scatter(rs)
+    assert (group.all_gather_comm, group.reduce_scatter_comm) == (ag, rs)
+    assert type(child.all_gather_comm) is DefaultAllGather  # the child's are untouched
+    assert type(child.reduce_scatter_comm) is DefaultReduceScatter
+
+
+def test_a_persistent_buffer_survives_and_is_reused(cpu_mesh):
+    """A comm that hands out the same buffer every time: ours must not free it (it would have
+    0 bytes at the second forward, and the copy-in would fail); the results match a model
+    with the default comms."""
+    model, plain = model_of(cpu_mesh), model_of(cpu_mesh)
+    ag, rs = Kept(), Counted()
+    model.set_custom_all_gather(ag)
+    model.set_custom_reduce_scatter(rs)
+    x = torch.randn(5, 4)
+    for _ in range(2):
+        for m in (model, plain):
+            m(x).sum().backward()
+    (buf,) = ag.bufs.values()
+    assert buf.untyped_storage().nbytes() == buf.numel() * buf.element_size() > 0
+    assert rs.calls == 2
+    for (k, p), q in zip(model.named_parameters(), plain.parameters()):
+        assert torch.equal(p.grad.full_tensor(), q.grad.full_tensor()), k

@@ -1,0 +1,217 @@
+"""Worker for tests/test_fsdp2_custom_comm.py: ``set_custom_all_gather`` /
+``set_custom_reduce_scatter`` (Note [custom collectives] in minifsdp/fsdp2/custom_comm.py),
+ours against torch's ``fully_shard`` with the same comm classes. Run at N = 2 and 3; reports
+raw results, the test asserts on them.
+
+The net is ``Pair``'s shape from fsdp2_multi_worker.py, one group per module: ``emb`` has 10
+rows (4, 4, 2 at N = 3), ``head`` 4 (2, 2, 0 at N = 3: an empty shard). Every group but
+``blocks.1``'s gets its own comm objects (set per module: the setters are not recursive, so
+``blocks.1`` keeps the default and must never reach them), all appending to one log:
+
+- ``SelfAllocAllGather`` allocates NaN-filled buffers itself (a slot FSDP failed to fill would
+  poison the parameters), keeps every one (so a buffer FSDP freed under it shows), and
+  all-gathers with ``torch.distributed`` directly;
+- ``AllReduceSlice`` reduce-scatters as ``all_reduce`` of the input, then a copy of this
+  rank's slot (on gloo the same sums as gloo's reduce-scatter, which is itself an all-reduce
+  and a slice: the test pins that the results are also bitwise ours-default).
+
+Each case trains 3 Adam steps and reports the first divergence (None: bit for bit) of losses,
+sharded-then-gathered gradients and parameters, ours against torch's with the same comms; the
+calls each side's comms saw, in order (allocate: size, dtype; call: numels, dtype, group
+size, op); the ``async_op`` flags apart (ours issues prefetches asynchronously, torch in
+streams: see the test); whether every kept buffer still has its bytes; ours with custom comms
+against ours with the defaults; and what ``minifsdp.comm`` logged for ours.
+"""
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy as TorchPolicy
+from torch.distributed.fsdp import fully_shard as torch_fully_shard
+from torch.distributed.tensor import DTensor
+
+from minifsdp import comm, fsdp2
+from minifsdp.dist import dist_setup, finish
+from minifsdp.parity import divergence_line
+
+info = dist_setup()
+rank, N = info.rank, info.world_size
+mesh = init_device_mesh(info.device.type, (N,))
+STEPS, LOCAL = 3, 4
+AT = f"N = {N}, rank {rank}"
+DEFAULT_ONLY = "blocks.1"  # keeps the default comms
+# torch 2.14's names for all_gather_into_tensor (deprecated there), older ones' otherwise
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+class Pair(nn.Module):
+    """``(B, 8) -> (B, 4)``: uneven ``emb`` rows, an empty ``head`` shard at N = 3."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Linear(8, 10)
+        self.blocks = nn.ModuleList([nn.Linear(10, 10), nn.Linear(10, 10)])
+        self.norm = nn.LayerNorm(10)
+        self.head = nn.Linear(10, 4)
+
+    def forward(self, x):
+        h = torch.tanh(self.emb(x))
+        for block in self.blocks:
+            h = torch.tanh(block(h))
+        return self.head(self.norm(h))
+
+
+class SelfAllocAllGather(fsdp2.AllGather):
+    def __init__(self, name: str, log: list, flags: list, kept: list):
+        self.name, self.log, self.flags, self.kept = name, log, flags, kept
+
+    def allocate(self, size, *, dtype, device):
+        self.log.append(f"{self.name} AG allocate {tuple(size)} {dtype}")
+        buf = torch.full(tuple(size), float("nan"), dtype=dtype, device=device)
+        self.kept.append(buf)
+        return buf
+
+    def __call__(self, output_tensor, input_tensor, group, async_op=False):
+        self.log.append(f"{self.name} AG {input_tensor.numel()} -> {output_tensor.numel()} "
+                        f"{output_tensor.dtype} over {group.size()}")
+        self.flags.append(async_op)
+        return all_gather_single(output_tensor, input_tensor, group=group, async_op=async_op)
+
+
+class AllReduceSlice(fsdp2.ReduceScatter):
+    def __init__(self, name: str, log: list, kept: list):
+        self.name, self.log, self.kept = name, log, kept
+
+    def allocate(self, size, *, dtype, device):
+        self.log.append(f"{self.name} RS allocate {tuple(size)} {dtype}")
+        buf = torch.full(tuple(size), float("nan"), dtype=dtype, device=device)
+        self.kept.append(buf)
+        return buf
+
+    def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
+        self.log.append(f"{self.name} RS {input_tensor.numel()} -> {output_tensor.numel()} "
+                        f"{input_tensor.dtype} over {group.size()} op {op}")
+        dist.all_reduce(input_tensor, op=op, group=group)
+        output_tensor.copy_(input_tensor.view(group.size(), -1)[group.rank()])
+
+
+def make() -> Pair:
+    torch.manual_seed(0)
+    return Pair().to(info.device)
+
+
+def shard(model: Pair, theirs: bool, policy: dict | None, custom: bool) -> dict:
+    """Shard bottom-up; with ``custom``, give every module but ``DEFAULT_ONLY`` its comms.
+    Returns the comms' records."""
+    fs = torch_fully_shard if theirs else fsdp2.fully_shard
+    kw = {} if policy is None else {
+        "mp_policy": (TorchPolicy if theirs else fsdp2.MixedPrecisionPolicy)(**policy)}
+    for name in ("emb", "blocks.0", "blocks.1", "head", ""):
+        fs(model.get_submodule(name), mesh=mesh, **kw)
+    rec = {"log": [], "async": [], "kept": []}
+    if custom:
+        for name in ("emb", "blocks.0", "head", ""):  # the root's: not recursive
+            m = model.get_submodule(name)
+            m.set_custom_all_gather(SelfAllocAllGather(name or "root", rec["log"],
+                                                       rec["async"], rec["kept"]))
+            m.set_custom_reduce_scatter(AllReduceSlice(name or "root", rec["log"], rec["kept"]))
+    return rec
+
+
+def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(step)
+    x, y = torch.randn(N * LOCAL, 8, generator=g), torch.randint(0, 4, (N * LOCAL,), generator=g)
+    return x.chunk(N)[rank].to(info.device), y.chunk(N)[rank].to(info.device)
+
+
+def full(tensors: dict) -> dict[str, torch.Tensor]:
+    return {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone()
+            for k, v in tensors.items()}
+
+
+def train(model: nn.Module) -> dict:
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    out = {"losses": [], "grads": [], "params": []}
+    for step in range(STEPS):
+        x, y = batch(step)
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        out["losses"].append({"loss": loss.detach().clone().float()})
+        out["grads"].append(full({k: p.grad for k, p in model.named_parameters()}))
+        opt.step()
+        opt.zero_grad()
+        out["params"].append(full(dict(model.named_parameters())))
+    return out
+
+
+def first_divergence(a: dict, b: dict, names: tuple[str, str]) -> str | None:
+    for step in range(STEPS):
+        for what in ("losses", "grads", "params"):
+            line = divergence_line(a[what][step], b[what][step], names=names,
+                                   where=f"{AT}, step {step} {what}")
+            if line is not None:
+                return line
+    return None
+
+
+def case(policy: dict | None) -> dict:
+    ours, theirs, plain = make(), make(), make()
+    rec = {"ours": shard(ours, False, policy, True), "torch": shard(theirs, True, policy, True)}
+    shard(plain, False, policy, False)
+    with comm.logging_comm() as log:
+        got = train(ours)
+    logged = [f"{r.op} {r.tag}" for r in log.comms()]
+    want, default = train(theirs), train(plain)
+    return {
+        "vs_torch": first_divergence(got, want, ("fsdp2", "torch")),
+        "vs_default": first_divergence(got, default, ("custom", "default")),
+        "calls": {k: v["log"] for k, v in rec.items()},
+        "async": {k: v["async"] for k, v in rec.items()},
+        "kept_alive": {k: all(b.untyped_storage().nbytes() == b.numel() * b.element_size()
+                              for b in v["kept"]) for k, v in rec.items()},
+        "logged": logged,
+    }
+
+
+def errors() -> dict:
+    """What ours and torch's setters do with objects that are not comms, and ours with an
+    ``allocate`` that returns the wrong size."""
+    out = {}
+
+    class NoAllocate:
+        def __call__(self, output_tensor, input_tensor, group, async_op=False):
+            return None
+
+    class WrongSize(SelfAllocAllGather):
+        def allocate(self, size, *, dtype, device):
+            return torch.empty(size[0] + 1, dtype=dtype, device=device)
+
+    def attempt(name, fn):
+        try:
+            fn()
+            out[name] = None
+        except Exception as e:  # the type and first line
+            out[name] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+
+    for side, fs in (("ours", fsdp2.fully_shard), ("torch", torch_fully_shard)):
+        model = make()
+        fs(model.blocks[0], mesh=mesh)
+        fs(model, mesh=mesh)
+        attempt(f"{side}_no_allocate", lambda m=model: m.blocks[0].set_custom_all_gather(
+            NoAllocate()))
+        attempt(f"{side}_not_callable", lambda m=model: m.set_custom_reduce_scatter(object()))
+        attempt(f"{side}_swapped", lambda m=model: m.set_custom_all_gather(
+            AllReduceSlice("x", [], [])))
+    model = make()
+    fsdp2.fully_shard(model, mesh=mesh)
+    model.set_custom_all_gather(WrongSize("root", [], [], []))
+    attempt("ours_wrong_size", lambda: model(batch(0)[0]))
+    return out
+
+
+out = {"rank": rank, "world_size": N, "fp32": case(None), "bf16": case({"param_dtype":
+                                                                        torch.bfloat16}),
+       "errors": errors()}
+finish(out)
