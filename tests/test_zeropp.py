@@ -154,24 +154,21 @@ def test_bytes_follow_the_formula(ranks):
     total = root + sum(blocks)
     runs = r["runs"]
     ag = lambda e, m=n: wire_bytes(e, m, kind="all_gather")  # noqa: E731
+    groups = [root, *blocks]  # every group resharded after forward, the root too
     assert by_kind(runs["ours base"]["comm"]) == {
-        ("all_gather", "bfloat16"): ag(root) + 2 * sum(ag(b) for b in blocks),
+        ("all_gather", "bfloat16"): 2 * sum(ag(e) for e in groups),
         ("reduce_scatter", "bfloat16"): ag(total)}
     hpz = runs["ours hpz"]["comm"]
-    assert by_kind(hpz, group_size=k) == {("all_gather", "bfloat16"): sum(ag(b, k)
-                                                                          for b in blocks)}
-    assert by_kind(hpz, group_size=n)[("all_gather", "bfloat16")] == ag(root) + sum(
-        ag(b) for b in blocks)
+    assert by_kind(hpz, group_size=k) == {("all_gather", "bfloat16"): sum(ag(e, k)
+                                                                          for e in groups)}
+    assert all(c["phase"] == "backward" for c in hpz if c["group_size"] == k)
+    assert by_kind(hpz, group_size=n)[("all_gather", "bfloat16")] == sum(ag(e) for e in groups)
     qwz = by_kind(runs["ours qwz"]["comm"])
-    codes = root + 2 * sum(blocks)
-    scale_bytes = sum(4 * (n - 1) * math.ceil(v // n / block) for v in numels.values())
-    scale_bytes += sum(4 * (n - 1) * math.ceil(v // n / block) for name, v in numels.items()
-                       if name.startswith("blocks."))  # gathered again in backward
-    assert qwz == {("all_gather", "uint8"): (n - 1) / n * codes,
+    scale_bytes = 2 * sum(4 * (n - 1) * math.ceil(v // n / block) for v in numels.values())
+    assert qwz == {("all_gather", "uint8"): (n - 1) / n * 2 * total,
                    ("all_gather", "float32"): scale_bytes,
                    ("reduce_scatter", "bfloat16"): ag(total)}
     qgz = by_kind(runs["torch qgz"]["comm"])  # torch's own collectives bypass the log
-    groups = [root, *blocks]
     assert qgz == {("all_to_all", "uint8"): sum(3 * math.ceil(e // n / 2) for e in groups),
                    ("all_to_all", "float32"): sum(3 * 4 * math.ceil(e // n / 64)
                                                   for e in groups)}
@@ -184,12 +181,12 @@ def test_hpz_stays_in_the_node_and_keeps_one_kth(ranks):
         k = r["K"]
         (group,) = r["hpz_groups"]
         assert r["rank"] in group and {g // k for g in group} == {r["rank"] // k}
-        blocks = sum(v for name, v in r["numels"].items() if name.startswith("blocks."))
+        total = sum(r["numels"].values())
         mem = {name: r["runs"][name]["memory"] for name in ("ours base", "ours hpz", "ours keep")}
-        assert mem["ours hpz"]["kept"] == 2 * blocks // k  # bf16 bytes, 1/k of both blocks
+        assert mem["ours hpz"]["kept"] == 2 * total // k  # bf16 bytes, 1/k of every group
         after = {name: m["after_forward"]["params"] for name, m in mem.items()}
-        assert after["ours hpz"] - after["ours base"] == 2 * blocks // k
-        assert after["ours keep"] - after["ours base"] == 2 * blocks
+        assert after["ours hpz"] - after["ours base"] == 2 * total // k
+        assert after["ours keep"] - after["ours base"] == 2 * total
 
 
 def test_quantization_stays_inside_its_bounds(ranks):

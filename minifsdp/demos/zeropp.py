@@ -9,8 +9,8 @@ the fp32 reference, in these runs (``RUNS``; "ours" = ``minifsdp.fsdp2``, "torch
 ``fully_shard``):
 
     fp32        ours, no mixed precision: what the drift is measured against
-    base        ours and torch: reshard_after_forward True (ZeRO-3)
-    hpz         ours and torch: the blocks reshard_after_forward=K (Note [hpZ is reshard to k])
+    base        ours and torch: reshard_after_forward True (ZeRO-3), the root's too
+    hpz         ours and torch: reshard_after_forward=K (Note [hpZ is reshard to k])
     keep        ours: reshard_after_forward False (the memory of no backward all-gather)
     qwz         ours and torch: every parameter a QuantizedWeight (Note [qwZ])
     qgz         torch (and ours once it has set_custom_reduce_scatter): QuantizedReduceScatter(4)
@@ -92,7 +92,7 @@ def build(name: str, mesh) -> GPT:
                      else (torch_fully_shard, TorchPolicy))
     kw = {"mp_policy": policy(**BF16)} if bf16 else {}
     units = [shard(b, mesh=mesh, reshard_after_forward=raf, **kw) for b in model.blocks]
-    units.append(shard(model, mesh=mesh, **kw))
+    units.append(shard(model, mesh=mesh, reshard_after_forward=raf, **kw))  # the root too
     if qgz:
         for u in units:
             u.set_custom_reduce_scatter(QuantizedReduceScatter(bits=qgz))
@@ -168,16 +168,20 @@ def train(name: str, mesh, steps: int, rank: int) -> dict:
                     with tracker.phase("forward"):
                         loss = loss_fn(model(x), y)
                     after_forward = dict(tracker.current())
+                    forward_calls = len(log.comms())
                     loss.backward()
                 memory = {"after_forward": after_forward, "peak": tracker.peak,
                           "kept": max(sum(v for k, v in s.get("labels", {}).items()
                                           if "kept" in k) for s in tracker.timeline)}
             else:
                 loss = loss_fn(model(x), y)
+                forward_calls = len(log.comms())
                 loss.backward()
         if step == 0:
             calls = [{k: r.__dict__[k] for k in ("op", "bytes", "wire_bytes", "group_size",
                                                   "dtype", "tag")} for r in log.comms()]
+            for i, c in enumerate(calls):
+                c["phase"] = "forward" if i < forward_calls else "backward"
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
