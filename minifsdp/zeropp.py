@@ -19,8 +19,9 @@ int8, 7 for int4; a block of zeros gets scale 1), and ``q = clamp(round(x / scal
 Symmetric, round to nearest even. Dequantized ``q * scale_b`` differs from x by at most half a
 step, ``scale_b / 2``, plus fp32's roundings of ``x / scale`` and ``q * scale`` (relative 2^-24
 each, |q| <= 127): ``|x - q * scale| <= scale * (1/2 + 2^-16)`` -- ``error_bound``. One scale
-per block, not per tensor, so an outlier spoils only its own B elements (the paper's §3.1
-block-based quantization; DeepSpeed's kernels use groups of 2048 and more).
+per block, not per tensor, so an outlier spoils only its own B elements (the paper's
+block-based quantization; DeepSpeed's qgZ quantizes in groups as long as the gradient's larger
+dimension, ``all_to_all_quant_reduce``).
 """
 
 from __future__ import annotations
@@ -127,8 +128,9 @@ class QuantizedWeight(torch.Tensor):
     stay fp32, so the error does not accumulate over steps: each step's forward sees the
     master within ``error_bound`` (then rounded to ``param_dtype``). DeepSpeed quantizes the
     same place: ``zero_quantized_weights`` in its ZeRO-3 all-gather of the fp16 partitions.
-    Shards must be even (dim 0 divisible by N): torch requires every all-gather input of an
-    unevenly sharded parameter to have the padded shard's size, which the scales do not.
+    Shards must be even (dim 0 divisible by N): torch hands the hook the unpadded local shard,
+    minifsdp the padded one, and only even shards make them -- and every rank's number of
+    scales, which the scales' all-gather needs -- the same.
 
     Example:
         >>> lin = nn.Linear(4, 4)
@@ -198,17 +200,20 @@ def enable_qwz(model: nn.Module) -> list[str]:
 
 
 # ----------------------------------------------------------------------------------- hpZ
-# Note [hpZ is reshard to k]: hpZ keeps a secondary copy of the weights sharded over the k
-# ranks of a node, so backward gathers them inside the node. FSDP2's
-# ``reshard_after_forward=k`` is exactly that (Note [reshard to k ranks] in fsdp2/hsdp.py):
-# after forward each rank keeps 1/k of the unsharded parameters, and backward all-gathers
-# over the k-rank groups ``DeviceMesh(mesh.mesh.view(-1, k))`` -- contiguous ranks, one node
-# when ranks are numbered node by node (torchrun's default). The values are the same, only
-# the group changes, so training is bitwise that of ``True``; the price is P/k per rank
-# between forward and backward instead of P/N. Unlike DeepSpeed's hpZ (``zero_hpz_partition_
-# size``), the secondary copy lives only from forward to backward, and it cannot follow a
-# QuantizedWeight: the extension rebuilds its parameter from its own all-gather outputs, so
-# both torch and minifsdp refuse ``reshard_after_forward=k`` for it (Note [qwZ]).
+"""
+Note [hpZ is reshard to k]: hpZ keeps a secondary copy of the weights sharded over the k
+ranks of a node, so backward gathers them inside the node. FSDP2's
+``reshard_after_forward=k`` is exactly that (Note [reshard to k ranks] in fsdp2/hsdp.py):
+after forward each rank keeps 1/k of the unsharded parameters, and backward all-gathers
+over the k-rank groups ``DeviceMesh(mesh.mesh.view(-1, k))`` -- contiguous ranks, one node
+when ranks are numbered node by node (torchrun's default). The values are the same, only
+the group changes, so training is bitwise that of ``True``; the price is P/k per rank
+between forward and backward instead of P/N. Unlike DeepSpeed's hpZ (``zero_hpz_partition_
+size``), the secondary copy lives only from forward to backward, and it cannot follow a
+QuantizedWeight: the extension rebuilds its parameter from its own all-gather outputs, so
+both torch and minifsdp refuse ``reshard_after_forward=k`` for it (Note [qwZ]).
+"""
+
 
 # ----------------------------------------------------------------------------------- qgZ
 
@@ -221,7 +226,7 @@ class QuantizedReduceScatter:
     one ``all_to_all`` sends chunk j's codes to rank j, a second one its fp32 scales; rank j
     then holds every rank's codes for its chunk, dequantizes them and adds them in fp32 in
     rank order 0..N-1 -- one quantization per contribution, never a sum of quantized sums
-    (the paper's §3.3 point against a ring of quantized reductions). ``op`` AVG divides the
+    (the paper's point against a ring or tree of quantized reductions). ``op`` AVG divides the
     fp32 sum by N once. Error against the exact sum: at most the sum over ranks of their
     blocks' ``error_bound`` (divided by N for AVG), plus the fp32 sum's and the output dtype's
     roundings. This is the 1-hop form; DeepSpeed's ``all_to_all_quant_reduce``
@@ -278,7 +283,9 @@ class QuantizedReduceScatter:
 
 def wire_bytes(numel: int, n: int, *, kind: str, dtype_bytes: int = 2, block: int = 64,
                bits: int = 8) -> float:
-    """Note [wire bytes of ZeRO++]: what one rank sends for one group of ``numel`` (evenly
+    """Bytes one rank sends for one group in one collective, by the Note below.
+
+    Note [wire bytes of ZeRO++]: what one rank sends for one group of ``numel`` (evenly
     sharded) elements in one collective over ``n`` ranks, as ``minifsdp.comm`` counts it
     (Note [bytes vs wire bytes]: ring all-gather, direct all-to-all).
 
