@@ -14,8 +14,9 @@ Drop-in wrappers with ``torch.distributed``'s signatures, plus a keyword-only ``
 
 Note [bytes vs wire bytes]: a record keeps two sizes. ``bytes`` is the payload of the
 *input* tensor, as torch's own logs define it (for all_gather that is the small shard). The
-``wire_bytes`` are what this rank *sends* under the ring algorithm NCCL uses for large
-messages, with S the bytes of the full (unsharded) tensor:
+``wire_bytes`` are what this rank *sends* under the ring algorithm, with S the bytes of the
+full (unsharded) tensor. NCCL runs Ring for many sizes and topologies but chooses among Ring,
+Tree, NVLS and CollNet (``NCCL_ALGO`` forces one); the others move the same data on other paths:
     all_reduce      2(N-1)/N * S    (a reduce-scatter, then an all-gather)
     reduce_scatter   (N-1)/N * S    (S = the input; each rank keeps one of N chunks)
     all_gather       (N-1)/N * S    (S = the output; each rank already has its own chunk)

@@ -37,6 +37,7 @@ interpreter shutdown, where gloo's background threads occasionally abort the pro
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import faulthandler
 import json
@@ -338,3 +339,10 @@ def finish(results: dict[str, Any] | None = None) -> None:
         dist.barrier()
         dist.destroy_process_group()
     os._exit(0)
+
+
+def run_header(args: argparse.Namespace, info: DistInfo) -> dict:
+    """The fields every results file starts with, finished or not: which run and which rank."""
+    return {"strategy": args.strategy, "model": args.model, "rank": info.rank,
+            "world_size": info.world_size, "device": str(info.device),
+            "backend": info.backend, "config": vars(args)}

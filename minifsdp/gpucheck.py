@@ -67,7 +67,7 @@ differs on CUDA at N = 1:
    ``MemoryTracker``, a ``TorchDispatchMode``); the report's "first loss difference at step"
    (and a run with more ``--steps``) tells which.
    Since then ``make_optimizer`` chooses ``foreach`` by device only, for every strategy
-   (Note [one optimizer path] in ``minifsdp.train``). The pairs check the hypothesis three
+   (Note [one optimizer path] in ``minifsdp.strategies``). The pairs check the hypothesis three
    ways: "fsdp1 ..." (foreach by device: the same kernels on both sides) and "fsdp1 ...,
    foreach=False" (the per-tensor loop on both) must be bitwise; "fsdp1 ..., torch's foreach
    default" (the old situation: per-tensor ours, foreach torch's) is expected to differ as
@@ -107,7 +107,7 @@ from minifsdp import parity
 class Pair:
     """Ours and torch's strategy, trained on the same model and batches (``extra``: more
     ``minifsdp.train`` options; ``foreach``: the optimizer's -- None: ``make_optimizer``'s
-    choice, by device (Note [one optimizer path] in ``minifsdp.train``); ``"torch"``: torch's
+    choice, by device (Note [one optimizer path] in ``minifsdp.strategies``); ``"torch"``: torch's
     own default, by device *and type*; True/False: that)."""
 
     name: str

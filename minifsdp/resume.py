@@ -37,8 +37,8 @@ def after_step(done: int, args: argparse.Namespace, info: DistInfo, model: nn.Mo
     ``--save-every``, the last step) and write this rank's results so far, so a run that
     dies later still reports its steps; then crash here if ``--kill-at-step`` says so."""
     from minifsdp.checkpoint import rank_bytes, save_checkpoint
+    from minifsdp.dist import run_header as _header
     from minifsdp.dist import save_results
-    from minifsdp.train import run_header as _header
 
     if args.checkpoint_dir and (done == args.steps or (args.save_every
                                                        and done % args.save_every == 0)):

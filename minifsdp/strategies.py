@@ -14,6 +14,18 @@ Note [strict and listed flags]: the flags in ``STRICT`` are refused where they d
 The others (bucket size, FSDP1's wrapping, ``--reshard-after-forward`` ...) are only listed:
 a strategy that does not take them ignores them, because one argument list is shared by the
 jobs of a comparison (chapter 04 runs ``single`` with FSDP1's ``--auto-wrap``).
+
+Note [one optimizer path]: torch's optimizers pick their kernels by the *type* of the
+parameters: on a GPU they use the multi-tensor ``foreach`` kernels only if every parameter's
+type is exactly ``Tensor``, ``Parameter`` or ``DTensor`` (``torch.optim.optimizer.
+_default_to_fused_or_foreach``), else the per-tensor loop. Our FSDP1 hands the optimizer
+``FlatParameter``s (a ``Parameter`` subclass), torch's FSDP1 with ``use_orig_params=True`` plain
+``Parameter``s: on CUDA the two would run different Adam kernels, which round differently --
+the likely cause of the 4.8e-5 gpucheck measured between them on an H200, while FSDP2 (DTensor
+on both sides) and DDP were bitwise; on CPU neither uses foreach, so nothing showed (the
+evidence, and the pairs that confirm it on a GPU: Note [FSDP1 on CUDA] in gpucheck). So
+``make_optimizer`` chooses ``foreach`` itself, by device only, and every strategy gets the
+same kernels as its torch counterpart.
 """
 
 from __future__ import annotations
@@ -76,7 +88,7 @@ def strategy(name: str, takes: Mapping[str, tuple[str, ...] | None] | None = Non
 
     The function gets the unwrapped model (already on ``info.device``, same init on every
     rank), ``info`` and the parsed ``args``; it returns the module to train, or ``(module,
-    optimizer)`` to build the optimizer itself (``train.make_optimizer(params, args)``).
+    optimizer)`` to build the optimizer itself (``make_optimizer(params, args)``, below).
     """
 
     def register(fn):
@@ -259,7 +271,6 @@ def _bucketed_ddp(model, info, args):
 
 def _zero(stage: int):
     def build(model, info, args):
-        from minifsdp.train import make_optimizer
         from minifsdp.zero import setup_zero
 
         return setup_zero(model, lambda params: make_optimizer(params, args), stage=stage,
@@ -349,3 +360,28 @@ def unit_classes(model: nn.Module) -> set[type]:
     """``--auto-wrap transformer``'s layer classes: those of ``shard_units`` (GPT: ``Block``;
     CNN: ``Conv2d`` and ``Linear``), so FSDP1 wraps the units that FSDP2 shards."""
     return {type(m) for m in shard_units(model)}
+
+
+# ---- the optimizer every strategy steps (Note [one optimizer path]) --------------------------
+
+def make_optimizer(params, args: argparse.Namespace) -> torch.optim.Optimizer:
+    """``args.optimizer`` over ``params``, with ``foreach`` chosen by device only (Note [one
+    optimizer path])."""
+    params = list(params)
+    foreach = use_foreach(params)
+    if args.optimizer == "adam":
+        return torch.optim.Adam(params, lr=args.lr, foreach=foreach)
+    if args.optimizer == "adamw":
+        return torch.optim.AdamW(params, lr=args.lr, weight_decay=0.1, foreach=foreach)
+    if args.optimizer == "adadelta":  # the FSDP tutorial's choice (lr=1.0)
+        return torch.optim.Adadelta(params, lr=args.lr, foreach=foreach)
+    return torch.optim.SGD(params, lr=args.lr, foreach=foreach)
+
+
+def use_foreach(params: list[torch.Tensor]) -> bool:
+    """torch's default ``foreach`` choice without its type test: every parameter on a device
+    with multi-tensor kernels (CUDA: yes; CPU: no). Note [one optimizer path]."""
+    from torch.utils._foreach_utils import _get_foreach_kernels_supported_devices
+
+    devices = _get_foreach_kernels_supported_devices()
+    return bool(params) and all(p.device.type in devices for p in params)

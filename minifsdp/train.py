@@ -11,7 +11,8 @@ Strategies are registered by name in ``minifsdp.strategies`` (``ddp``, ``zero1``
 ... next to the PyTorch implementation each is checked against), each with the flags it takes;
 ``parse_args`` checks them in one loop. The test accuracy lives in ``minifsdp.evaluation``,
 what is recorded beside the losses (layouts, torch's memory tracker, full parameters) in
-``minifsdp.probes``; this module keeps the loop, the model, the optimizer and the data.
+``minifsdp.probes``, the optimizer in ``minifsdp.strategies`` (``make_optimizer``); this module
+keeps the loop, the model and the data.
 
 Note [global loss]: every strategy logs the loss of the *global* batch (the mean over ranks
 of the local mean losses, all equal-sized), so loss curves of a 1-process and an N-process
@@ -25,18 +26,6 @@ this, and matches DDP and FSDP bit for bit at N = 2 (tests/test_train.py). The t
 reference, one backward of the 64-sample mean (``--full-batch``), is the same mathematics but
 a different float sum: it agrees to rounding (~1e-7), and Adam, which divides by the
 gradient's own magnitude, can amplify that to ~1e-6 in the weights within a few steps.
-
-Note [one optimizer path]: torch's optimizers pick their kernels by the *type* of the
-parameters: on a GPU they use the multi-tensor ``foreach`` kernels only if every parameter's
-type is exactly ``Tensor``, ``Parameter`` or ``DTensor`` (``torch.optim.optimizer.
-_default_to_fused_or_foreach``), else the per-tensor loop. Our FSDP1 hands the optimizer
-``FlatParameter``s (a ``Parameter`` subclass), torch's FSDP1 with ``use_orig_params=True`` plain
-``Parameter``s: on CUDA the two would run different Adam kernels, which round differently --
-the likely cause of the 4.8e-5 gpucheck measured between them on an H200, while FSDP2 (DTensor
-on both sides) and DDP were bitwise; on CPU neither uses foreach, so nothing showed (the
-evidence, and the pairs that confirm it on a GPU: Note [FSDP1 on CUDA] in gpucheck). So
-``make_optimizer`` chooses ``foreach`` itself, by device only, and every strategy gets the
-same kernels as its torch counterpart.
 """
 
 from __future__ import annotations
@@ -52,7 +41,14 @@ import torch.nn.functional as F
 
 from minifsdp import comm
 from minifsdp.data import MarkovTokens, global_batch_loader, mnist, rank_loader
-from minifsdp.dist import DistInfo, dist_setup, finish, report_progress, seed_everything
+from minifsdp.dist import (
+    DistInfo,
+    dist_setup,
+    finish,
+    report_progress,
+    run_header,
+    seed_everything,
+)
 from minifsdp.evaluation import evaluate
 from minifsdp.memory import MemoryTracker
 from minifsdp.models import apply_activation_checkpointing, build_model, count_params
@@ -69,11 +65,13 @@ from minifsdp.strategies import (
     STRATEGIES,
     check_flags,
     data_parallel_mesh,
+    make_optimizer,
     set_prefetch,
     shard_bottom_up,
     shard_units,
     takers,
     unit_classes,
+    use_foreach,
 )
 
 # re-exported: what tests, demos and labs import from here (the torchrun target stays here)
@@ -232,29 +230,6 @@ def make_model(args: argparse.Namespace) -> nn.Module:
     return model
 
 
-def make_optimizer(params, args: argparse.Namespace) -> torch.optim.Optimizer:
-    """``args.optimizer`` over ``params``, with ``foreach`` chosen by device only (Note [one
-    optimizer path])."""
-    params = list(params)
-    foreach = use_foreach(params)
-    if args.optimizer == "adam":
-        return torch.optim.Adam(params, lr=args.lr, foreach=foreach)
-    if args.optimizer == "adamw":
-        return torch.optim.AdamW(params, lr=args.lr, weight_decay=0.1, foreach=foreach)
-    if args.optimizer == "adadelta":  # the FSDP tutorial's choice (lr=1.0)
-        return torch.optim.Adadelta(params, lr=args.lr, foreach=foreach)
-    return torch.optim.SGD(params, lr=args.lr, foreach=foreach)
-
-
-def use_foreach(params: list[torch.Tensor]) -> bool:
-    """torch's default ``foreach`` choice without its type test: every parameter on a device
-    with multi-tensor kernels (CUDA: yes; CPU: no). Note [one optimizer path]."""
-    from torch.utils._foreach_utils import _get_foreach_kernels_supported_devices
-
-    devices = _get_foreach_kernels_supported_devices()
-    return bool(params) and all(p.device.type in devices for p in params)
-
-
 def make_batches(args: argparse.Namespace, info: DistInfo, start_step: int = 0):
     """Yield ``(inputs, targets)`` for this rank; see Note [same global batch].
 
@@ -410,13 +385,6 @@ def main(argv: list[str] | None = None) -> None:
     if args.save_params:
         save_full_params(model, info)
     finish(results)
-
-
-def run_header(args: argparse.Namespace, info: DistInfo) -> dict:
-    """The fields every results file starts with, finished or not: which run and which rank."""
-    return {"strategy": args.strategy, "model": args.model, "rank": info.rank,
-            "world_size": info.world_size, "device": str(info.device),
-            "backend": info.backend, "config": vars(args)}
 
 
 if __name__ == "__main__":
