@@ -72,9 +72,11 @@ RUNS = {
     "torch qwz+qgz": ("torch", True, True, 4, True),
     "torch hpz+qgz": ("torch", False, K, 4, True),
 }
-if hasattr(fsdp2.FSDPModule, "set_custom_reduce_scatter"):  # chapter 05's, when it lands
-    RUNS.update({"ours qgz": ("ours", False, True, 4, True),
-                 "ours qwz+qgz": ("ours", True, True, 4, True)})
+# ours with qgZ, where minifsdp.fsdp2 has set_custom_reduce_scatter (torch's comm protocol)
+OURS_QGZ = {"ours qgz": ("ours", False, True, 4, True),
+            "ours qwz+qgz": ("ours", True, True, 4, True)}
+if hasattr(fsdp2.FSDPModule, "set_custom_reduce_scatter"):
+    RUNS.update(OURS_QGZ)
 
 
 def batch(step: int, world: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
