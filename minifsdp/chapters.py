@@ -93,6 +93,8 @@ CHAPTERS: dict[str, Chapter] = {c.id: c for c in [
     Chapter("11", "FSDP2's pitfalls", "notebooks/11_pitfalls.ipynb",
             tests=_t("test_exercises_11", "test_pitfalls"),
             demos=_m("demos/pitfalls", "demos/accumulation"), lab="11"),
+    Chapter("12", "ZeRO++", "notebooks/12_zero_plus_plus.ipynb", _m("zeropp"),
+            _t("test_zeropp"), demos=_m("demos/zeropp")),
 ]}
 
 # what every chapter uses and none teaches alone

@@ -7,6 +7,7 @@ from minifsdp.chapters import CHAPTERS, INFRASTRUCTURE
 from minifsdp.labs.seams import LAB_IDS, get_lab
 
 ROOT = Path(__file__).resolve().parents[1]
+NO_EXERCISES = {"12"}  # chapters without minifsdp/labs/chNN.py checkers
 
 
 def _indexed() -> list[str]:
@@ -43,7 +44,8 @@ def test_every_chapter_with_exercise_checkers_has_its_exercise_tests():
     solution for each of them (its test_every_checker_has_solutions_here)."""
     with_checkers = [p.stem[2:] for p in sorted((ROOT / "minifsdp" / "labs").glob("ch*.py"))
                      if re.search(r"^def check_", p.read_text(), re.M)]
-    assert len(with_checkers) == len(CHAPTERS)  # every chapter has exercises today
+    # every chapter has exercises today, but chapter 12 (ZeRO++, no lab and no exercises yet)
+    assert with_checkers == sorted(c for c in CHAPTERS if c not in NO_EXERCISES)
     assert [c for c in with_checkers
             if f"tests/test_exercises_{c}.py" not in CHAPTERS[c].tests] == []
 
