@@ -10,6 +10,7 @@ every module but one. The in-process tests at the end use a world of one.
 
 from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -195,3 +196,48 @@ def test_a_persistent_buffer_survives_and_is_reused(cpu_mesh):
     assert rs.calls == 2
     for (k, p), q in zip(model.named_parameters(), plain.parameters()):
         assert torch.equal(p.grad.full_tensor(), q.grad.full_tensor()), k
+
+
+def test_post_optim_event_is_waited_once_and_changes_no_bit(cpu_mesh, monkeypatch):
+    """set_post_optim_event (Note [post-optimizer event]): the root's next forward makes a
+    stream wait on the event and drops it, as torch's does (torch: its two all-gather streams;
+    ours: the current one); ours and torch's train the same bits with an event each step (a
+    world of one: the event orders streams, it carries no values)."""
+    import torch.nn.functional as F
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    from minifsdp import fsdp2
+    from minifsdp.parity import assert_bitwise
+
+    waited = []
+    wait_event = torch.cpu.Stream.wait_event
+    monkeypatch.setattr(torch.cpu.Stream, "wait_event",
+                        lambda self, event: (waited.append(event), wait_event(self, event))[1])
+    runs, models = {}, {}
+    for name, fs in (("ours", fsdp2.fully_shard), ("torch", torch_fully_shard)):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3))
+        fs(model[0], mesh=cpu_mesh)
+        fs(model, mesh=cpu_mesh)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        losses, events = [], []
+        waited.clear()
+        for step in range(4):
+            if step < 3:  # step 3 sets none: the last event must not be waited on again
+                events.append(torch.cpu.Event())
+                events[-1].record()
+                model.set_post_optim_event(events[-1])
+            x = torch.randn(4, 6, generator=torch.Generator().manual_seed(step))
+            loss = F.mse_loss(model(x), torch.zeros(4, 3))
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.detach())
+        runs[name] = (losses, {k: v.full_tensor() for k, v in model.state_dict().items()})
+        models[name] = model
+        times = [sum(w is e for w in waited) for e in events]  # torch also waits on its own
+        assert times == {"ours": [1, 1, 1], "torch": [2, 2, 2]}[name], name  # torch: 2 streams
+    for ours, theirs in zip(runs["ours"], runs["torch"]):  # the losses, then the parameters
+        assert_bitwise(ours, theirs, names=("fsdp2", "torch"))
+    with pytest.raises(TypeError, match="set_post_optim_event: expected an event"):
+        models["ours"].set_post_optim_event(object())  # torch takes anything

@@ -245,6 +245,30 @@ class FSDPModule:
         for group in self._groups(recurse=False):
             group.all_reduce_hook = hook
 
+    def set_post_optim_event(self, event) -> None:
+        """Give the root an event recorded after the optimizer step, for this iteration's
+        first forward to wait on instead of the current stream (torch's; the root's forward
+        waits on it once, then drops it: pass a new event each iteration)::
+
+            optim.step()
+            event = torch.cuda.Event(); event.record()   # torch.cpu.Event() on CPU
+            model.set_post_optim_event(event)
+            loss = model(x).sum()
+
+        Note [post-optimizer event]: torch all-gathers on streams of its own, which at the
+        root's pre-forward wait for the current stream -- everything queued so far, the
+        optimizer step included -- so no parameter is gathered before the step wrote it. With
+        an event, they wait for the step only, not for unrelated work queued after it. Our
+        all-gathers run on the current stream (Note [prefetch on GPUs] in ``prefetch.py``),
+        ordered after everything queued before them whatever we do: an event cannot remove
+        that dependency here. We wait on it anyway (a stream only gains a dependency by it, so
+        the values are the same) and drop it, as torch does, so code written for torch runs
+        unchanged. Call it on the root, as torch's."""
+        if not callable(getattr(event, "record", None)):
+            raise TypeError(f"set_post_optim_event: expected an event (torch.Event, "
+                            f"torch.cuda.Event, torch.cpu.Event), got {type(event).__name__}")
+        self.fsdp_state.ctx.post_optim_event = event  # the root's context, shared at lazy init
+
     def set_custom_all_gather(self, comm: AllGather) -> None:
         """Replace this group's all-gather (torch's): ``comm.allocate(size, *, dtype, device)``
         makes the group buffer and ``comm(output_tensor=, input_tensor=, group=, async_op=)``

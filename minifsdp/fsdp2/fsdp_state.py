@@ -141,6 +141,7 @@ class _RootContext:
     last_forward_order: list[FSDPParamGroup] = field(default_factory=list)
     on_track: bool = True
     post_forward_order: list[FSDPParamGroup] = field(default_factory=list)
+    post_optim_event: object | None = None  # set_post_optim_event: Note [post-optimizer event]
 
 
 class FSDPState:
@@ -236,6 +237,10 @@ class FSDPState:
             self._lazy_init()
         if self.is_root:
             prefetch.begin_forward(self.ctx)
+            if (event := self.ctx.post_optim_event) is not None:  # Note [post-optimizer event]
+                device = next((p.device for p in self.module.parameters()), torch.device("cpu"))
+                torch.get_device_module(device).current_stream().wait_event(event)
+                self.ctx.post_optim_event = None  # one event per iteration, as torch
         # the first of the group's modules this pass (always, for one module): Note
         # [several modules, one group]
         first = self.training_state is not TrainingState.FORWARD
