@@ -205,6 +205,13 @@ def tagged(tag: str) -> Iterator[None]:
         _TAGS.pop()
 
 
+def current_tag() -> str | None:
+    """The innermost ``tagged`` block's label, or None: what a wrapper of this module's
+    collectives reads when its caller labels them with ``with tagged(...)`` rather than
+    ``tag=`` (FSDP2's group comms do: Note [custom collectives] in fsdp2/custom_comm.py)."""
+    return _TAGS[-1] if _TAGS else None
+
+
 def span(name: str, tag: str | None = None) -> contextlib.AbstractContextManager:
     """Like ``CommLog.span`` but recorded in every active log: for library code that has no
     log object at hand (e.g. ``with comm.span("forward"): ...`` inside a training step)."""

@@ -132,7 +132,8 @@ class Events:
     def __init__(self) -> None:
         self.torch = torch_order.Recorder("fsdp1")
         ag, rs = comm.all_gather_into_tensor, comm.reduce_scatter_tensor
-        tag_of = lambda kw: kw.get("tag") or ""
+        # FSDP1 passes tag=, FSDP2's group comms label by comm.tagged(...)
+        tag_of = lambda kw: kw.get("tag") or comm.current_tag() or ""
 
         def ours_ag(*a, **kw):
             self.torch.mark("all_gather", tag_of(kw).split()[0], tag_of(kw))
