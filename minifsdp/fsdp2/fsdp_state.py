@@ -238,8 +238,9 @@ class FSDPState:
         if self.is_root:
             prefetch.begin_forward(self.ctx)
             if (event := self.ctx.post_optim_event) is not None:  # Note [post-optimizer event]
-                device = next((p.device for p in self.module.parameters()), torch.device("cpu"))
-                torch.get_device_module(device).current_stream().wait_event(event)
+                device = next((p.device for p in self.module.parameters()), None)
+                if device is not None:  # no parameter, no all-gather to order
+                    torch.get_device_module(device).current_stream().wait_event(event)
                 self.ctx.post_optim_event = None  # one event per iteration, as torch
         # the first of the group's modules this pass (always, for one module): Note
         # [several modules, one group]
