@@ -142,6 +142,10 @@ def train(model: nn.Module) -> dict:
         out["grads"].append(full({k: p.grad for k, p in model.named_parameters()}))
         opt.step()
         opt.zero_grad()
+        # set_post_optim_event (Note [post-optimizer event]) on both sides: it must change no bit
+        event = torch.get_device_module(x.device).Event()
+        event.record()
+        model.set_post_optim_event(event)
         out["params"].append(full(dict(model.named_parameters())))
     return out
 
