@@ -121,6 +121,8 @@ def ranks(launched) -> list[dict]:
 
 def test_ours_equals_torch_and_hpz_equals_zero3(ranks):
     for r in ranks:
+        # each pair's first difference on this rank (step, parameter, index, both values)
+        assert r["divergence"] and not any(r["divergence"].values()), r["divergence"]
         assert r["bitwise"] and all(r["bitwise"].values()), r["bitwise"]
         for pair in ("ours base == torch base", "ours hpz == torch hpz",
                      "ours qwz == torch qwz", "ours hpz == ours base",

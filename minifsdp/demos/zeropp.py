@@ -40,6 +40,7 @@ from minifsdp.data import MarkovTokens
 from minifsdp.fsdp2.hsdp import _POST_FORWARD_GROUPS
 from minifsdp.memory import MemoryTracker
 from minifsdp.models import GPT, GPTConfig
+from minifsdp.parity import divergence_line
 from minifsdp.train import loss_fn
 from minifsdp.zeropp import (
     QWZ_BLOCK,
@@ -265,12 +266,16 @@ def main() -> None:
         out["runs"][name] = {"losses": r["losses"], "comm": r["comm"], "memory": r["memory"],
                              "drift": drift}
     pairs = [(f"ours {v}", f"torch {v}") for v in ("base", "hpz", "qwz", "qgz", "qwz+qgz")]
-    out["bitwise"] = {f"{a} == {b}": all_ranks(float(all(torch.equal(final[a][k], final[b][k])
-                                                          for k in final[a])),
-                                               dist.ReduceOp.MIN) == 1.0
-                      for a, b in pairs + [("ours hpz", "ours base"), ("torch hpz", "torch base"),
-                                           ("torch hpz+qgz", "torch qgz")]
-                      if a in final and b in final}
+    # the first difference's line (step, rank, parameter, index), None if bitwise (Note [parity]
+    # in minifsdp/parity.py); "bitwise": on every rank
+    out["divergence"] = {f"{a} == {b}": divergence_line(final[a], final[b], names=(a, b),
+                                                         where=f"rank {info.rank}")
+                         for a, b in pairs + [("ours hpz", "ours base"),
+                                              ("torch hpz", "torch base"),
+                                              ("torch hpz+qgz", "torch qgz")]
+                         if a in final and b in final}
+    out["bitwise"] = {pair: all_ranks(float(line is None), dist.ReduceOp.MIN) == 1.0
+                      for pair, line in out["divergence"].items()}
     out["bitwise_losses"] = {f"{a} == {b}": results[a]["losses"] == results[b]["losses"]
                              for a, b in pairs if a in results and b in results}
     out["numels"] = {k: v.numel() * info.world_size for k, v in final["ours base"].items()}
