@@ -34,6 +34,7 @@ import torch.nn as nn
 from torch.distributed import ReduceOp
 
 from minifsdp import comm
+from minifsdp.fsdp2.extensions import ExtensionWeight, write_unsharded
 
 QWZ_BLOCK = 64  # elements per scale for the weights (Note [qwZ])
 
@@ -112,7 +113,7 @@ def unpack_int4(packed: torch.Tensor, numel: int) -> torch.Tensor:
 
 # ----------------------------------------------------------------------------------- qwZ
 
-class QuantizedWeight(torch.Tensor):
+class QuantizedWeight(ExtensionWeight):
     """A parameter whose FSDP all-gather sends int8 codes and fp32 block scales (Note [qwZ]).
 
     Note [qwZ]: every unshard, each rank quantizes its *own* fp32 shard (Note [block
@@ -138,16 +139,6 @@ class QuantizedWeight(torch.Tensor):
         >>> type(lin.weight).__name__, type(lin.weight * 2).__name__
         ('QuantizedWeight', 'Tensor')
     """
-
-    @staticmethod
-    def __new__(cls, data: torch.Tensor) -> QuantizedWeight:
-        return data.as_subclass(cls)
-
-    @classmethod
-    def __torch_function__(cls, func, types, args=(), kwargs=None):
-        with torch._C.DisableTorchFunctionSubclass():
-            out = func(*args, **(kwargs or {}))
-        return out.as_subclass(cls) if func is torch.Tensor.detach else out
 
     def fsdp_pre_all_gather(self, mesh, outer_size: torch.Size, outer_stride: tuple[int, ...],
                             module: nn.Module, mp_policy: Any,
@@ -175,10 +166,7 @@ class QuantizedWeight(torch.Tensor):
                           for r in range(n)]).view(n * shape[0], *shape[1:])
         if out is None:
             return full, (full,)
-        # an in-place write into a tensor autograd saved: keep its version (Note [version
-        # counter]), as Float8Weight does
-        with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(out):
-            out.copy_(full)
+        write_unsharded(out, full)
         return None
 
 

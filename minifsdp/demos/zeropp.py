@@ -30,13 +30,13 @@ import argparse
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-import torch.utils._pytree as pytree
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy as TorchPolicy
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
 from minifsdp import comm, fsdp2
 from minifsdp.data import MarkovTokens
+from minifsdp.fsdp2.extensions import OnTorch
 from minifsdp.fsdp2.hsdp import _POST_FORWARD_GROUPS
 from minifsdp.memory import MemoryTracker
 from minifsdp.models import GPT, GPTConfig
@@ -54,10 +54,6 @@ from minifsdp.zeropp import (
 CFG = GPTConfig(vocab_size=64, seq_len=32, n_layer=2, n_head=4, d_model=32)
 LOCAL, LR, K = 4, 3e-3, 2
 DATA = MarkovTokens(vocab_size=CFG.vocab_size, seq_len=CFG.seq_len, num_seqs=1024)
-aten = torch.ops.aten
-PRESERVE = {aten.empty_like.default, aten.new_zeros.default, aten.slice.Tensor,
-            aten.copy_.default, aten.view.default, aten.as_strided.default,
-            aten._to_copy.default, aten.split.Tensor, aten.clone.default, aten.detach.default}
 BF16 = {"param_dtype": torch.bfloat16, "reduce_dtype": torch.bfloat16}
 # name: (impl, qwz, blocks' reshard_after_forward, qgz bits or None, bf16)
 RUNS = {
@@ -102,41 +98,11 @@ def build(name: str, mesh) -> GPT:
     return model
 
 
-class TorchQuantizedWeight(torch.Tensor):
-    """``QuantizedWeight``'s hooks on a wrapper subclass that keeps its type through the ops
-    torch's ``fully_shard`` shards a parameter with (as chapter 07's test worker does for
-    float8: torch calls the hooks on the local shard, which must still be of this type)."""
+class TorchQuantizedWeight(OnTorch):
+    """``QuantizedWeight``'s hooks on torch's ``fully_shard`` (as chapter 07's test worker
+    runs ``Float8Weight``'s)."""
 
-    @staticmethod
-    def __new__(cls, t: torch.Tensor):
-        return torch.Tensor._make_wrapper_subclass(
-            cls, t.size(), strides=t.stride(), storage_offset=t.storage_offset(),
-            dtype=t.dtype, device=t.device, requires_grad=t.requires_grad)
-
-    def __init__(self, t: torch.Tensor):
-        self._t = t
-
-    __torch_function__ = torch._C._disabled_torch_function_impl
-
-    @classmethod
-    def __torch_dispatch__(cls, func, types, args, kwargs=None):
-        args, kwargs = pytree.tree_map_only(cls, lambda x: x._t, (args, kwargs or {}))
-        out = func(*args, **kwargs)
-        return pytree.tree_map_only(torch.Tensor, cls, out) if func in PRESERVE else out
-
-    def __tensor_flatten__(self):
-        return ["_t"], None
-
-    @staticmethod
-    def __tensor_unflatten__(inner, spec, size, stride):
-        return TorchQuantizedWeight(inner["_t"])
-
-    def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
-        return QuantizedWeight.fsdp_pre_all_gather(self._t.as_subclass(QuantizedWeight), mesh,
-                                                   outer_size, outer_stride, module, mp_policy)
-
-    def fsdp_post_all_gather(self, outputs, metadata, param_dtype, *, out=None):
-        return QuantizedWeight.fsdp_post_all_gather(self, outputs, metadata, param_dtype, out=out)
+    ours = QuantizedWeight
 
 
 def torch_qwz(model: nn.Module) -> None:

@@ -23,14 +23,113 @@ all-float8 group): the same path in every case.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
+import torch.utils._pytree as pytree
 
 from minifsdp import comm
 from minifsdp.fsdp2.custom_comm import AllGather, allocate
 from minifsdp.fsdp2.fsdp_param import FSDPParam
 from minifsdp.memory import tag
+
+
+class ExtensionWeight(torch.Tensor):
+    """Base of a parameter type that chooses its own all-gather (Note [all-gather extensions]
+    in ``fsdp_param.py``): ``Float8Weight`` (chapter 07) and ``QuantizedWeight`` (chapter 12).
+
+    It only *marks* the parameter: it holds the master data itself, and every op on it returns
+    a plain ``torch.Tensor`` (``detach`` keeps the type, so ``nn.Parameter`` accepts it). A
+    subclass defines torch's two hooks, ``fsdp_pre_all_gather`` and ``fsdp_post_all_gather``
+    (whose later calls end in ``write_unsharded``). The hooks must not rely on ``self``'s type:
+    ``OnTorch`` calls them with its own.
+
+    Example:
+        >>> class Marked(ExtensionWeight): pass
+        >>> w = torch.nn.Parameter(Marked(torch.ones(2)))
+        >>> type(w).__name__, type(w * 2).__name__
+        ('Marked', 'Tensor')
+    """
+
+    @staticmethod
+    def __new__(cls, data: torch.Tensor) -> ExtensionWeight:
+        return data.as_subclass(cls)
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        with torch._C.DisableTorchFunctionSubclass():
+            out = func(*args, **(kwargs or {}))
+        return out.as_subclass(cls) if func is torch.Tensor.detach else out
+
+
+def write_unsharded(out: torch.Tensor, full: torch.Tensor) -> None:
+    """A post-all-gather hook's later calls: write ``full`` into ``out``, the unsharded
+    parameter whose storage FSDP restored -- an in-place write into a tensor autograd saved,
+    so its version is kept (Note [version counter]); torch's FSDP2 does not do it for a hook,
+    so the hook must."""
+    with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(out):
+        out.copy_(full)
+
+
+class OnTorch(torch.Tensor):
+    """An ``ExtensionWeight``'s hooks on torch's own ``fully_shard``, for the bitwise oracle.
+
+    torch shards a parameter with ordinary ops (``empty_like``, ``slice``, ``copy_``, ...)
+    and calls the hooks on the *unpadded* local shard, so a type that only marks the
+    parameter, as ``ExtensionWeight`` does, is lost on the way. This is a wrapper subclass in
+    torchao's style that keeps its type through exactly those ops (torchao's
+    ``_ops_to_preserve_subclass``, plus ``detach`` for ``nn.Parameter``); its pre-hook pads the
+    local shard with zeros to the padded shard's rows, as minifsdp hands it, and runs
+    ``ours``'s hooks. A subclass names ``ours``.
+
+    Example:
+        >>> from minifsdp.fsdp2.float8 import Float8Weight
+        >>> class TorchFloat8Weight(OnTorch): ours = Float8Weight
+        >>> w = torch.nn.Parameter(TorchFloat8Weight(torch.ones(2, 3)))
+        >>> type(w.detach()).__name__, type(w * 2).__name__
+        ('TorchFloat8Weight', 'Tensor')
+    """
+
+    ours: type[ExtensionWeight]
+    _preserve = {torch.ops.aten.empty_like.default, torch.ops.aten.new_zeros.default,
+                 torch.ops.aten.slice.Tensor, torch.ops.aten.copy_.default,
+                 torch.ops.aten.view.default, torch.ops.aten.as_strided.default,
+                 torch.ops.aten._to_copy.default, torch.ops.aten.split.Tensor,
+                 torch.ops.aten.clone.default, torch.ops.aten.detach.default}
+
+    @staticmethod
+    def __new__(cls, t: torch.Tensor) -> OnTorch:
+        return torch.Tensor._make_wrapper_subclass(
+            cls, t.size(), strides=t.stride(), storage_offset=t.storage_offset(),
+            dtype=t.dtype, device=t.device, requires_grad=t.requires_grad)
+
+    def __init__(self, t: torch.Tensor):
+        self._t = t
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args, kwargs=None):
+        args, kwargs = pytree.tree_map_only(cls, lambda x: x._t, (args, kwargs or {}))
+        out = func(*args, **kwargs)
+        return pytree.tree_map_only(torch.Tensor, cls, out) if func in cls._preserve else out
+
+    def __tensor_flatten__(self):
+        return ["_t"], None
+
+    @classmethod
+    def __tensor_unflatten__(cls, inner, spec, size, stride):
+        return cls(inner["_t"])
+
+    def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
+        padded = self._t.new_zeros((math.ceil(outer_size[0] / mesh.size()), *outer_size[1:]))
+        padded[: self.shape[0]].copy_(self._t)
+        return self.ours.fsdp_pre_all_gather(padded.as_subclass(self.ours), mesh, outer_size,
+                                             outer_stride, module, mp_policy)
+
+    def fsdp_post_all_gather(self, outputs, metadata, param_dtype, *, out=None):
+        return self.ours.fsdp_post_all_gather(self, outputs, metadata, param_dtype, out=out)
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:

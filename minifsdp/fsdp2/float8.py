@@ -56,6 +56,7 @@ from torch.distributed import ReduceOp
 from torch.distributed.device_mesh import DeviceMesh
 
 from minifsdp import comm
+from minifsdp.fsdp2.extensions import ExtensionWeight, write_unsharded
 
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = torch.finfo(E4M3).max  # 448.0
@@ -106,13 +107,12 @@ def quantize_dequantize(weight: torch.Tensor, dtype: torch.dtype | None = None) 
     return dequantize(quantize(weight, scale), scale, dtype or weight.dtype)
 
 
-class Float8Weight(torch.Tensor):
+class Float8Weight(ExtensionWeight):
     """A parameter whose FSDP all-gather sends float8_e4m3fn (Note [FP8 all-gather]).
 
-    Holds the fp32 (or bf16) master data itself and computes like a plain tensor (every op
-    returns a plain ``torch.Tensor``; ``detach`` keeps the type so ``nn.Parameter`` accepts
-    it). FSDP calls its two hooks, torch's all-gather extension (Note [all-gather extensions]
-    in ``fsdp_param.py``); ``self`` is then this rank's padded shard.
+    Holds the fp32 (or bf16) master data itself and computes like a plain tensor
+    (``ExtensionWeight``). FSDP calls its two hooks, torch's all-gather extension (Note
+    [all-gather extensions] in ``fsdp_param.py``); ``self`` is then this rank's padded shard.
 
     Example:
         >>> lin = nn.Linear(4, 2)
@@ -120,16 +120,6 @@ class Float8Weight(torch.Tensor):
         >>> type(lin.weight).__name__, type(lin.weight * 2).__name__
         ('Float8Weight', 'Tensor')
     """
-
-    @staticmethod
-    def __new__(cls, data: torch.Tensor) -> Float8Weight:
-        return data.as_subclass(cls)
-
-    @classmethod
-    def __torch_function__(cls, func, types, args=(), kwargs=None):
-        with torch._C.DisableTorchFunctionSubclass():
-            out = func(*args, **(kwargs or {}))
-        return out.as_subclass(cls) if func is torch.Tensor.detach else out
 
     def fsdp_pre_all_gather(self, mesh: DeviceMesh, outer_size: torch.Size,
                             outer_stride: tuple[int, ...], module: nn.Module,
@@ -156,10 +146,7 @@ class Float8Weight(torch.Tensor):
         if out is None:
             unsharded = dequantize(data, scale, param_dtype)
             return unsharded, (unsharded,)
-        # an in-place write into a tensor autograd saved: keep its version (Note [version
-        # counter]); torch's FSDP2 does not do it for a hook, so the hook must
-        with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(out):
-            out.copy_(dequantize(data[: out.shape[0]], scale, param_dtype))
+        write_unsharded(out, dequantize(data[: out.shape[0]], scale, param_dtype))
         return None
 
 

@@ -9,11 +9,8 @@ the unsharded weights after one all-gather against ``quantize_dequantize`` of th
 weights.
 """
 
-import math
-
 import torch
 import torch.nn as nn
-import torch.utils._pytree as pytree
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy as TorchPolicy
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
@@ -21,6 +18,7 @@ from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from minifsdp import comm, fsdp2
 from minifsdp.demos import float8 as demo
 from minifsdp.dist import dist_setup, finish
+from minifsdp.fsdp2.extensions import OnTorch
 from minifsdp.fsdp2.float8 import Float8Weight, quantize_dequantize
 from minifsdp.parity import divergence_line
 from minifsdp.train import loss_fn
@@ -29,52 +27,13 @@ info = dist_setup()
 rank, N = info.rank, info.world_size
 mesh = init_device_mesh(info.device.type, (N,))
 STEPS = 3
-aten = torch.ops.aten
-# the ops torch's fully_shard runs on a parameter while sharding it, which must keep the type
-# (torchao's ``_ops_to_preserve_subclass``, plus detach for nn.Parameter)
-PRESERVE = {aten.empty_like.default, aten.new_zeros.default, aten.slice.Tensor,
-            aten.copy_.default, aten.view.default, aten.as_strided.default,
-            aten._to_copy.default, aten.split.Tensor, aten.clone.default, aten.detach.default}
 
 
-class TorchFloat8Weight(torch.Tensor):
-    """``Float8Weight``'s two hooks on a torchao-style wrapper subclass, so that torch's
-    ``fully_shard`` (which shards the parameter with ordinary ops and calls the hooks on the
-    *unpadded* local shard) keeps the type. The hooks pad, then call ``Float8Weight``'s."""
+class TorchFloat8Weight(OnTorch):
+    """``Float8Weight``'s two hooks on torch's ``fully_shard``, which calls them on the
+    *unpadded* local shard: ``OnTorch`` pads it, then calls ``Float8Weight``'s."""
 
-    @staticmethod
-    def __new__(cls, t: torch.Tensor):
-        return torch.Tensor._make_wrapper_subclass(
-            cls, t.size(), strides=t.stride(), storage_offset=t.storage_offset(),
-            dtype=t.dtype, device=t.device, requires_grad=t.requires_grad)
-
-    def __init__(self, t: torch.Tensor):
-        self._t = t
-
-    __torch_function__ = torch._C._disabled_torch_function_impl
-
-    @classmethod
-    def __torch_dispatch__(cls, func, types, args, kwargs=None):
-        args, kwargs = pytree.tree_map_only(TorchFloat8Weight, lambda x: x._t, (args, kwargs or {}))
-        out = func(*args, **kwargs)
-        return pytree.tree_map_only(torch.Tensor, TorchFloat8Weight, out) if func in PRESERVE \
-            else out
-
-    def __tensor_flatten__(self):
-        return ["_t"], None
-
-    @staticmethod
-    def __tensor_unflatten__(inner, spec, size, stride):
-        return TorchFloat8Weight(inner["_t"])
-
-    def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
-        padded = self._t.new_zeros((math.ceil(outer_size[0] / mesh.size()), *outer_size[1:]))
-        padded[: self.shape[0]].copy_(self._t)
-        return Float8Weight.fsdp_pre_all_gather(padded.as_subclass(Float8Weight), mesh,
-                                                outer_size, outer_stride, module, mp_policy)
-
-    def fsdp_post_all_gather(self, outputs, metadata, param_dtype, *, out=None):
-        return Float8Weight.fsdp_post_all_gather(self, outputs, metadata, param_dtype, out=out)
+    ours = Float8Weight
 
 
 def torch_run(mode: str) -> dict:
