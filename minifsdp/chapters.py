@@ -64,7 +64,7 @@ CHAPTERS: dict[str, Chapter] = {c.id: c for c in [
             _t("test_fsdp2", "test_fsdp2_custom_comm", "test_activation_checkpointing",
                "test_exercises_05"),
             _w("fsdp2_worker", "fsdp2_multi_worker", "fsdp2_shard_dim_worker",
-               "fsdp2_custom_comm_worker"),
+               "fsdp2_custom_comm_worker", "pair_model"),
             _m("demos/activation_checkpointing"),
             lab="05"),
     Chapter("06", "Prefetch and overlap", "notebooks/06_prefetch_and_overlap.ipynb",

@@ -3,7 +3,7 @@
 ours against torch's ``fully_shard`` with the same comm classes. Run at N = 2 and 3; reports
 raw results, the test asserts on them.
 
-The net is ``Pair``'s shape from fsdp2_multi_worker.py, one group per module: ``emb`` has 10
+The net is ``Pair`` (``pair_model.py``), one group per module: ``emb`` has 10
 rows (4, 4, 2 at N = 3), ``head`` 4 (2, 2, 0 at N = 3: an empty shard). Every group but
 ``blocks.1``'s gets its own comm objects (set per module: the setters are not recursive, so
 ``blocks.1`` keeps the default and must never reach them), all appending to one log:
@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from pair_model import Pair
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy as TorchPolicy
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
@@ -44,23 +45,6 @@ AT = f"N = {N}, rank {rank}"
 DEFAULT_ONLY = "blocks.1"  # keeps the default comms
 # torch 2.14's names for all_gather_into_tensor (deprecated there), older ones' otherwise
 all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-
-
-class Pair(nn.Module):
-    """``(B, 8) -> (B, 4)``: uneven ``emb`` rows, an empty ``head`` shard at N = 3."""
-
-    def __init__(self):
-        super().__init__()
-        self.emb = nn.Linear(8, 10)
-        self.blocks = nn.ModuleList([nn.Linear(10, 10), nn.Linear(10, 10)])
-        self.norm = nn.LayerNorm(10)
-        self.head = nn.Linear(10, 4)
-
-    def forward(self, x):
-        h = torch.tanh(self.emb(x))
-        for block in self.blocks:
-            h = torch.tanh(block(h))
-        return self.head(self.norm(h))
 
 
 class SelfAllocAllGather(fsdp2.AllGather):

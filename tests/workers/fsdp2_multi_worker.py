@@ -18,6 +18,7 @@ import contextlib
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from pair_model import Pair
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.tensor import DTensor
@@ -31,23 +32,6 @@ rank, N = info.rank, info.world_size
 mesh = init_device_mesh(info.device.type, (N,))
 STEPS, LOCAL = 3, 4
 AT = f"N = {N}, rank {rank}"
-
-
-class Pair(nn.Module):
-    """``(B, 8) -> (B, 4)``: ``emb`` and ``head`` one group, each block one, root ``norm``."""
-
-    def __init__(self):
-        super().__init__()
-        self.emb = nn.Linear(8, 10)
-        self.blocks = nn.ModuleList([nn.Linear(10, 10), nn.Linear(10, 10)])
-        self.norm = nn.LayerNorm(10)
-        self.head = nn.Linear(10, 4)
-
-    def forward(self, x):
-        h = torch.tanh(self.emb(x))
-        for block in self.blocks:
-            h = torch.tanh(block(h))
-        return self.head(self.norm(h))
 
 
 def shard_pair(model: Pair, fs) -> nn.Module:
