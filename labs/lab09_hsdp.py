@@ -6,9 +6,10 @@ Bar: bit for bit with torch's fully_shard on a 2-D DeviceMesh ("replicate", "sha
 at N = 4, then 2 x 1 and 1 x 2 at N = 2; fp32, bf16 parameters with an fp32 reduce (three
 micro-batches, the first two under set_requires_all_reduce(False)), an fp16 reduce with the loss
 scaled so that a sum without the pre-division overflows (step 0) and into fp16's subnormals
-(step 1); 3 Adam steps: flat's bytes after each call (0), the reduction's collectives (op, group
-size, dtype, numel, order), losses, gradients, parameters.
-Also read Note [mixed precision] (torch's divide factors).
+(step 1), fp32 under set_gradient_divide_factor(S) (not on the 2 x 1 mesh); 3 Adam steps: flat's
+bytes after each call (0), the reduction's collectives (op, group size, dtype, numel, order),
+losses, gradients, parameters.
+Also read Note [mixed precision] and Note [divide factor] (torch's divide factors).
 """
 
 import torch
@@ -27,14 +28,16 @@ def reduce_grads(group, flat):
     ``process_group`` (the shard group, ``world_size`` S ranks), ``replicate_group`` (R =
     ``mesh_info.replicate_size`` ranks holding the same rows; None on a 1-D mesh),
     ``all_reduce_grads`` (False under ``set_requires_all_reduce(False)``),
-    ``partial_reduce_output`` (None, or what an earlier backward kept), ``name``.
+    ``partial_reduce_output`` (None, or what an earlier backward kept),
+    ``gradient_divide_factor`` (None, or ``set_gradient_divide_factor``'s f: then the sum over
+    the R S ranks is divided by f instead of R S), ``force_sum_reduction_for_comms``, ``name``.
     Returns: a new ``(slot,)`` tensor in ``flat``'s dtype (tag it "grads"), this rank's slot
     averaged over the R S ranks exactly as torch averages (the same collectives on the same
     groups in the same order, the same divisions); or None after keeping the shard-group sum
     in ``group.partial_reduce_output`` when ``all_reduce_grads`` is False (HSDP only), to be
     added in before the next all-reduce. Only the slot crosses the replicate group. ``flat``'s
     storage is freed (``flat.untyped_storage().resize_(0)``) once the reduce-scatter returns.
-    Notes [HSDP], [HSDP accumulation], [mixed precision].
+    Notes [HSDP], [HSDP accumulation], [mixed precision], [divide factor].
     """
     # TODO(lab 09): the contract above; `python -m minifsdp.labs 09 --hint` when stuck.
     raise NotImplementedError("lab 09: reduce_grads in labs/lab09_hsdp.py")

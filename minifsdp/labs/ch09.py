@@ -82,18 +82,25 @@ OVERFLOW_SCALE = 125_000.0
 SUBNORMAL_EXP = -14
 SUBNORMAL_SCALE = 2.0**SUBNORMAL_EXP
 # (name, param dtype, reduce dtype, micro-batches, all-reduce every micro-batch, per step the
-# loss scale of replicate 0's ranks and of the others); the meshes come from the world size:
-# (2, 2) at N = 4, (2, 1) and (1, 2) at N = 2
+# loss scale of replicate 0's ranks and of the others, set_gradient_divide_factor's factor as a
+# multiple of S); the meshes come from the world size: (2, 2) at N = 4, (2, 1) and (1, 2) at N = 2
 POLICIES = (
-    ("fp32", None, None, 1, True, None),
+    ("fp32", None, None, 1, True, None, None),
     (f"bf16 parameters, fp32 reduce, {MICRO} micro-batches, set_requires_all_reduce(False) on "
-     f"the first {MICRO - 1}", torch.bfloat16, torch.float32, MICRO, False, None),
+     f"the first {MICRO - 1}", torch.bfloat16, torch.float32, MICRO, False, None, None),
     (f"fp32 parameters, fp16 reduce (pre- and post-division), the loss scaled by "
      f"{OVERFLOW_SCALE:.0f} on replicate 0 at step 0 (an fp16 sum without the pre-division "
      f"overflows) and by 2^{SUBNORMAL_EXP} at step 1 (fp16 subnormals)", None, torch.float16, 1,
-     True,
-     ((OVERFLOW_SCALE, 1.0), (SUBNORMAL_SCALE, SUBNORMAL_SCALE), (1.0, 1.0))),
+     True, ((OVERFLOW_SCALE, 1.0), (SUBNORMAL_SCALE, SUBNORMAL_SCALE), (1.0, 1.0)), None),
+    # Note [divide factor]: the factor divides the sum over all R S ranks, so the reduce-scatter
+    # takes the factor's op (AVG where it is S; gloo has no PREMUL_SUM for any other) and the
+    # all-reduce SUMs: R times the mean. (S = 1 meshes skip it: torch divides twice there.)
+    ("fp32, set_gradient_divide_factor(S) on every group (the factor's op in the "
+     "reduce-scatter, SUM across replicas)", None, None, 1, True, None, 1),
 )
+
+
+_FACTOR_CASE = {"on": False}  # is a divide factor set? (for the hint, in this rank's process)
 
 
 def _meshes(n: int) -> list[tuple[int, int]]:
@@ -115,7 +122,7 @@ def train_hsdp_vs_torch(t, info, shape: tuple[int, int], policy: tuple) -> None:
     from minifsdp.fsdp2 import reduce
     from minifsdp.labs.ch05 import lab_net
 
-    _, param_dtype, reduce_dtype, micro, every, scales = policy
+    _, param_dtype, reduce_dtype, micro, every, scales, factor = policy
     r_deg, s_deg = shape
     mesh = init_device_mesh(info.device.type, shape, mesh_dim_names=("replicate", "shard"))
     models, opts = {}, {}
@@ -127,6 +134,8 @@ def train_hsdp_vs_torch(t, info, shape: tuple[int, int], policy: tuple) -> None:
             kw["mp_policy"] = cls(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
         for unit in (m.body, m.narrow, m):
             shard(unit, mesh=mesh, **kw)
+            if factor is not None:  # per group, not recursive (torch's too)
+                unit.set_gradient_divide_factor(float(factor * s_deg))
         models[impl], opts[impl] = m, torch.optim.Adam(m.parameters(), lr=1e-2)
     # the reduction's collectives as Note [HSDP] lays them out: per group, in the order the
     # groups finish backward (the root, whose head's gradients come first, then narrow, then
@@ -148,6 +157,7 @@ def train_hsdp_vs_torch(t, info, shape: tuple[int, int], policy: tuple) -> None:
 
     saved = reduce.reduce_grads
     reduce.reduce_grads = freeing(saved)
+    _FACTOR_CASE["on"] = factor is not None
     try:
         for step in range(LAB_STEPS):
             now["step"] = step
@@ -197,6 +207,7 @@ def train_hsdp_vs_torch(t, info, shape: tuple[int, int], policy: tuple) -> None:
                          step=step, phase="optimizer step")
     finally:
         reduce.reduce_grads = saved
+        _FACTOR_CASE["on"] = False
 
 
 def run_lab(t, info) -> None:
@@ -207,6 +218,8 @@ def run_lab(t, info) -> None:
 
     for shape in _meshes(info.world_size):
         for policy in POLICIES:
+            if policy[-1] is not None and shape[1] == 1:
+                continue  # a divide factor with S = 1: refused (Note [divide factor])
             with t.case(f"HSDP on a {shape[0]} x {shape[1]} mesh, {policy[0]}: 3 Adam steps "
                         "against torch's fully_shard", (REDUCE,)):
                 train_hsdp_vs_torch(t, info, shape, policy)
@@ -260,6 +273,15 @@ def hint(name: str, got, expected, n: int) -> str | None:
                 "is added into group.partial_reduce_output (the first one kept, every later "
                 "one added, not stored over it); the synced micro-batch adds that sum into its "
                 "slot before the all-reduce and clears it (Note [HSDP accumulation])")
+        e64, g64 = expected.double(), got.double()
+        for k in (0.5, 2.0) if _FACTOR_CASE["on"] else ():  # R = 2 on the 2 x 2 mesh
+            if grad and torch.count_nonzero(e64) and torch.allclose(g64, e64 * k, rtol=1e-5,
+                                                                    atol=1e-7):
+                return (f"yours = expected x {k:g}, a factor of R (the replicate group's size): "
+                        "with group.gradient_divide_factor set, the factor divides the sum over "
+                        "all R x S ranks once, in the reduce-scatter (its op) or the "
+                        "post-division, and the all-reduce across replicas SUMs; without one, "
+                        "both collectives average (Note [divide factor], all_reduce_op)")
         return _generic_hint(got, expected, n) or (
             "the average must run over all R x S ranks, with torch's divide factors: AVG in "
             "both collectives for fp32 / bf16, SUM between a pre- and a post-division "
@@ -272,7 +294,8 @@ LAB = Lab(
     title="HSDP: the 2-D gradient reduction",
     skeleton="labs/lab09_hsdp.py",
     seams=(Seam(REDUCE, "minifsdp.fsdp2.reduce", "reduce_grads", "reduce_grads"),),
-    notes=("HSDP", "HSDP accumulation", "mixed precision", "freeing with resize_"),
+    notes=("HSDP", "HSDP accumulation", "mixed precision", "divide factor",
+           "freeing with resize_"),
     run=run_lab,
     hint=hint,
     world_sizes=(4, 2),
@@ -288,13 +311,16 @@ LAB = Lab(
         "group.mesh_info.replicate_size; None on a 1-D mesh). torch's factors for N = R S "
         "ranks: fp32 and bf16 let the backend average (ReduceOp.AVG, in both collectives, "
         "nothing else divides); other dtypes divide by pre before and post after, with SUM. "
+        "With group.gradient_divide_factor f set, the sum over all R S ranks is divided by f "
+        "instead: the reduce-scatter takes f's op and the all-reduce SUMs (Note [divide "
+        "factor]). "
         "Invariants: the result is (slot,), flat's dtype, summed in the order torch sums; "
         "with group.all_reduce_grads False nothing crosses the replicate group.",
-        "pre, post, op = torch's factors for (S, flat.dtype, R); flat /= pre; out = empty "
-        "slot; reduce-scatter flat -> out over the shard group with op; free flat's storage; "
-        "if there is a replicate group: if not all_reduce_grads: add out into "
+        "pre, post, op = torch's factors for (S, flat.dtype, R, f, force_sum); flat /= pre; "
+        "out = empty slot; reduce-scatter flat -> out over the shard group with op; free "
+        "flat's storage; if there is a replicate group: if not all_reduce_grads: add out into "
         "partial_reduce_output (or keep it) and return None; else add a kept partial into "
-        "out, clear it, all-reduce out over the replicate group with op; out /= post; "
-        "return out.",
+        "out, clear it, all-reduce out over the replicate group with op (SUM if f is set); "
+        "out /= post; return out.",
     ),
 )

@@ -3,7 +3,8 @@ accumulation], Note [mixed precision], Note [freeing with resize_]).
 
 Each function replaces the seam (``@replaces``); tests/test_lab_bugs.py checks that the checker
 rejects it and points where the bug shows first, at N = 2 (meshes 2 x 1 and 1 x 2: the cheap
-job) except post_divides_before_the_all_reduce: only N = 4 has an fp16 post-factor other than 1.
+job) except post_divides_before_the_all_reduce (only N = 4 has an fp16 post-factor other than 1)
+and the two divide-factor bugs (only the 2 x 2 mesh has a factor and replicas).
 """
 
 import torch
@@ -230,6 +231,52 @@ def post_divides_before_the_all_reduce(group, flat):
     divide_if_needed(out, post)
     return out
 
+
+@replaces("fsdp2.reduce_grads")
+@torch.no_grad()
+def ignores_the_divide_factor(group, flat):
+    """Takes torch's factors for an average over R x S ranks and never reads
+    ``group.gradient_divide_factor``: right until ``set_gradient_divide_factor`` is called,
+    then the mean instead of the sum divided by the factor (Note [divide factor]). Shows only
+    at N = 4: on 1 x 2 the factor S is the world size, and 2 x 1 refuses a factor."""
+    pre, post, op = _factors(group, flat)
+    divide_if_needed(flat, pre)
+    out = _scatter(group, flat, op)
+    if group.replicate_group is not None:
+        if not group.all_reduce_grads:
+            _keep(group, out)
+            return None
+        if group.partial_reduce_output is not None:
+            out += group.partial_reduce_output
+            group.partial_reduce_output = None
+        comm.all_reduce(out, op, group.replicate_group)
+    divide_if_needed(out, post)
+    return out
+
+
+@replaces("fsdp2.reduce_grads")
+@torch.no_grad()
+def all_reduces_with_the_scatter_op(group, flat):
+    """Reads the factor, but all-reduces across the replicas with the reduce-scatter's op, as
+    without one: under ``set_gradient_divide_factor(S)`` that op is AVG, so the replicas'
+    sum is divided by R once more; torch SUMs there (``all_reduce_op``, Note [divide factor])."""
+    pre, post, op = gradient_divide_factors(
+        group.world_size, flat.dtype, group.mesh_info.replicate_size,
+        group.gradient_divide_factor, group.force_sum_reduction_for_comms)
+    divide_if_needed(flat, pre)
+    out = _scatter(group, flat, op)
+    if group.replicate_group is not None:
+        if not group.all_reduce_grads:
+            _keep(group, out)
+            return None
+        if group.partial_reduce_output is not None:
+            out += group.partial_reduce_output
+            group.partial_reduce_output = None
+        comm.all_reduce(out, op, group.replicate_group)
+    divide_if_needed(out, post)
+    return out
+
+
 CASE_FP32 = "HSDP on a 2 x 1 mesh, fp32: 3 Adam steps against torch's fully_shard"
 CASE_ACCUM = ("HSDP on a 2 x 1 mesh, bf16 parameters, fp32 reduce, 3 micro-batches, "
               "set_requires_all_reduce(False) on the first 2: 3 Adam steps against torch's "
@@ -237,6 +284,9 @@ CASE_ACCUM = ("HSDP on a 2 x 1 mesh, bf16 parameters, fp32 reduce, 3 micro-batch
 FP16 = ("fp32 parameters, fp16 reduce (pre- and post-division), the loss scaled by 125000 on "
         "replicate 0 at step 0 (an fp16 sum without the pre-division overflows) and by 2^-14 at "
         "step 1 (fp16 subnormals): 3 Adam steps against torch's fully_shard")
+FACTOR = ("HSDP on a 2 x 2 mesh, fp32, set_gradient_divide_factor(S) on every group (the "
+          "factor's op in the reduce-scatter, SUM across replicas): 3 Adam steps against torch's "
+          "fully_shard")
 COLLECTIVES = "the reduction's collectives in backward (op, group size, dtype, numel)"
 EXPECTED = {
     "all_reduces_first": dict(status="diverged", world_sizes=(2,), case=CASE_FP32,
@@ -255,7 +305,7 @@ EXPECTED = {
         status="diverged", world_sizes=(2,), step=0, phase="backward", case=CASE_ACCUM,
         name=COLLECTIVES + ", without the all-reduce", hint="Note [HSDP accumulation]"),
     "scatters_over_the_replicate_dim": dict(status="crash", world_sizes=(2,),
-                                            where="lab_bugs/lab09.py:134"),
+                                            where="lab_bugs/lab09.py:135"),
     "keeps_flat": dict(status="diverged", world_sizes=(2,), case=CASE_FP32,
                        name="group root: bytes behind flat after reduce_grads returned", step=0,
                        phase="backward", hint="flat.untyped_storage().resize_(0) once the "
@@ -267,6 +317,12 @@ EXPECTED = {
         status="diverged", world_sizes=(2,), case="HSDP on a 1 x 2 mesh, " + FP16,
         name="head.bias.grad", step=0, phase="backward",
         hint="divide flat by the pre-factor *before* the reduce-scatter"),
+    "ignores_the_divide_factor": dict(
+        status="diverged", world_sizes=(4,), case=FACTOR, name="scale.grad", step=0,
+        phase="backward", hint="a factor of R"),
+    "all_reduces_with_the_scatter_op": dict(
+        status="diverged", world_sizes=(4,), case=FACTOR, name="scale.grad", step=0,
+        phase="backward", hint="the all-reduce across replicas SUMs"),
     "post_divides_before_the_all_reduce": dict(
         status="diverged", world_sizes=(4,), case="HSDP on a 2 x 2 mesh, " + FP16,
         name="body.0.weight.grad", step=1, phase="backward",
