@@ -5,11 +5,12 @@ Seams "fsdp2.unshard", "fsdp2.wait_for_unshard", "fsdp2.reshard" (FSDPParamGroup
 "fsdp2.all_gather_copy_out" (FSDPParamGroup._all_gather_copy_out) and
 "fsdp2.reduce_scatter_copy_in" (minifsdp.fsdp2.reduce.reduce_scatter_copy_in).
 Check: python -m minifsdp.labs 05   (start: --start)   Hints: --hint (1, 2, 3)
-Bar: bit for bit at N = 2 and 3: one group unsharded and resharded (blocking, issued then
-waited, an all-gather dropped in flight, from a piece kept for k ranks), its collectives, its
-buffers' bytes; each parameter from buffers of N slots and of 1 (fp32, bf16); the reduce-scatter
-input; 3 Adam steps of 2 micro-batches each against torch's fully_shard (uneven rows, empty
-shards); the unsharded storage freed after forward and backward.
+Bar: bit for bit at N = 2 and 3: one group unsharded and resharded (blocking, issued then waited,
+an all-gather dropped in flight, from a piece kept for k ranks), its collectives, its buffers'
+bytes; each parameter from buffers of N slots and of 1 (fp32, bf16); the reduce-scatter input (also
+for a subset of the parameters: only those with a gradient); 3 Adam steps of 2 micro-batches each
+against torch's fully_shard (uneven rows, empty shards); the unsharded storage freed after forward
+and backward.
 Also read Note [padding], Note [dim-0 chunks], Note [freeing with resize_], Note [version
 counter], Note [issue and wait] (prefetch.py) and Note [reshard to k ranks] (hsdp.py).
 Groups with all-gather extensions (chapter 07's float8) never reach your three methods here.

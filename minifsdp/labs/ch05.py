@@ -496,18 +496,22 @@ def run_lab(t, info) -> None:
                 hsdp.get_group(1) if key != "shard group of 1 rank" else None)
     with t.case("copy-in of one group (7 and 10 rows; fp32, a bf16 reduce dtype, a shard "
                 "group of 1 rank)", (COPY_IN,)):
-        for key, dtype in (("fp32", torch.float32), ("fp32", torch.bfloat16),
-                           ("shard group of 1 rank", torch.float32)):
+        # last: only the second parameter has a gradient (the first frozen, or unused this
+        # backward): foreach_reduce passes those with one, and the slot is theirs alone
+        for key, dtype, first in (("fp32", torch.float32, 0), ("fp32", torch.bfloat16, 0),
+                                  ("shard group of 1 rank", torch.float32, 0),
+                                  ("fp32", torch.float32, 1)):
             group = nets[key].fsdp_state.group
+            params = group.fsdp_params[first:]
             g = torch.Generator().manual_seed(7 + info.rank)
-            grads = [torch.randn(p.orig_size, generator=g) for p in group.fsdp_params]
-            want = seams.reference(COPY_IN)(group, group.fsdp_params,
-                                            [x.clone() for x in grads], dtype)
-            got = reduce.reduce_scatter_copy_in(group, group.fsdp_params,
-                                                [x.clone() for x in grads], dtype)
+            grads = [torch.randn(p.orig_size, generator=g) for p in params]
+            want = seams.reference(COPY_IN)(group, params, [x.clone() for x in grads], dtype)
+            got = reduce.reduce_scatter_copy_in(group, params, [x.clone() for x in grads], dtype)
             dt = {torch.float32: "fp32", torch.bfloat16: "bf16"}[dtype]
             t.expect(f"reduce-scatter input ({group.world_size} slots, padding zero, {dt}"
-                     + (f", {key}" if key != "fp32" else "") + ")", got, want, phase="copy-in")
+                     + (f", {key}" if key != "fp32" else "")
+                     + (f", only {len(params)} of {len(group.fsdp_params)} parameters with a "
+                        "gradient" if first else "") + ")", got, want, phase="copy-in")
     if not _all_ranks_matched(t):  # training on a wrong layout would crash, hiding the cause
         return
     with t.case("3 Adam steps of 2 micro-batches against torch's fully_shard (3 groups, "
@@ -549,6 +553,11 @@ def hint(name: str, got, expected, n: int) -> str | None:
         return ("the piece kept after forward (group._post_forward_data) is needed only by the "
                 "next unshard: drop it once it is gathered, or when a reshard comes first (Note "
                 "[reshard to k ranks])")
+    if "parameters with a gradient" in name:
+        return ("lay out the parameters you are given (params, with grads), not all of the "
+                "group's: a frozen parameter, or one unused in this backward, has no gradient "
+                "and no place in the slot (FSDPParamGroup.post_backward passes only those with "
+                "one)")
     if "version counter" in name:
         return ("the copy-out wrote into tensors autograd saved in forward and let their version "
                 "counter move: backward would refuse them (Note [version counter])")

@@ -83,6 +83,27 @@ def chunk_r_into_the_next_slot(group, params, grads, dtype):
     return flat
 
 
+@replaces("fsdp2.reduce_scatter_copy_in")
+@torch.no_grad()
+def lays_out_every_parameter_of_the_group(group, params, grads, dtype):
+    """Walks ``group.fsdp_params`` instead of the ``params`` it was given: right while every
+    parameter has a gradient, but a frozen one (or one unused in this backward) has none, and
+    then every slot is too long and later gradients land in earlier parameters' places."""
+    n = group.world_size
+    every = group.fsdp_params
+    slot_numel = sum(p.padded_shard_numel for p in every)
+    flat = grads[0].new_zeros(n * slot_numel, dtype=dtype)
+    tag(flat, "comm")
+    slots = flat.view(n, slot_numel)
+    for r in range(n):
+        offset = 0
+        for p, g in zip(every, grads):
+            chunk = chunk_dim0(g, n)[r].reshape(-1)
+            slots[r, offset: offset + chunk.numel()].copy_(chunk)
+            offset += p.padded_shard_numel
+    return flat
+
+
 @replaces("fsdp2.all_gather_copy_out")
 @torch.no_grad()
 def never_copies(group, gathered, world):
@@ -269,6 +290,10 @@ EXPECTED = {
     "chunk_r_into_the_next_slot": dict(status="diverged", world_sizes=(2,), phase="copy-in",
                                        name="reduce-scatter input (2 slots, padding zero, fp32)",
                                        hint="rank blocks permuted"),
+    "lays_out_every_parameter_of_the_group": dict(
+        status="diverged", world_sizes=(2,), phase="copy-in",
+        name="reduce-scatter input (2 slots, padding zero, fp32, only 5 of 6 parameters with a "
+             "gradient)", hint="lay out the parameters you are given"),
     "never_copies": dict(status="diverged", world_sizes=(2,), phase="copy-out",
                          case=COPY_OUT_CASE, name="0.weight, unsharded from a 2-rank buffer, fp32",
                          hint="never wrote"),
