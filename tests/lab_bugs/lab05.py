@@ -47,6 +47,23 @@ def overwrites_saved_tensors_unseen(group, gathered, world):
     torch.split_with_sizes_copy(gathered.view(world, -1), sizes, dim=1, out=outs)
 
 
+def _copy_in(params, grads, n, dtype, slot_of=lambda r: r, chunks=chunk_dim0):
+    """Note [copy-in and copy-out]'s layout, chunk r of each gradient (``chunks``; right:
+    ``chunk_dim0``) into slot ``slot_of(r)`` (right: r), each padded to its padded shard
+    numel."""
+    slot_numel = sum(p.padded_shard_numel for p in params)
+    flat = grads[0].new_zeros(n * slot_numel, dtype=dtype)
+    tag(flat, "comm")
+    slots = flat.view(n, slot_numel)
+    for r in range(n):
+        offset = 0
+        for p, g in zip(params, grads):
+            chunk = chunks(g, n)[r].reshape(-1)
+            slots[slot_of(r), offset: offset + chunk.numel()].copy_(chunk)
+            offset += p.padded_shard_numel
+    return flat
+
+
 @replaces("fsdp2.reduce_scatter_copy_in")
 @torch.no_grad()
 def drops_the_padding(group, params, grads, dtype):
@@ -70,17 +87,7 @@ def chunk_r_into_the_next_slot(group, params, grads, dtype):
     receives, and keeps as its gradient, its left neighbour's rows (Note [copy-in and
     copy-out])."""
     n = group.world_size
-    slot_numel = sum(p.padded_shard_numel for p in params)
-    flat = grads[0].new_zeros(n * slot_numel, dtype=dtype)
-    tag(flat, "comm")
-    slots = flat.view(n, slot_numel)
-    for r in range(n):
-        offset = 0
-        for p, g in zip(params, grads):
-            chunk = chunk_dim0(g, n)[r].reshape(-1)
-            slots[(r + 1) % n, offset: offset + chunk.numel()].copy_(chunk)
-            offset += p.padded_shard_numel
-    return flat
+    return _copy_in(params, grads, n, dtype, slot_of=lambda r: (r + 1) % n)
 
 
 @replaces("fsdp2.reduce_scatter_copy_in")
@@ -89,19 +96,7 @@ def lays_out_every_parameter_of_the_group(group, params, grads, dtype):
     """Walks ``group.fsdp_params`` instead of the ``params`` it was given: right while every
     parameter has a gradient, but a frozen one (or one unused in this backward) has none, and
     then every slot is too long and later gradients land in earlier parameters' places."""
-    n = group.world_size
-    every = group.fsdp_params
-    slot_numel = sum(p.padded_shard_numel for p in every)
-    flat = grads[0].new_zeros(n * slot_numel, dtype=dtype)
-    tag(flat, "comm")
-    slots = flat.view(n, slot_numel)
-    for r in range(n):
-        offset = 0
-        for p, g in zip(every, grads):
-            chunk = chunk_dim0(g, n)[r].reshape(-1)
-            slots[r, offset: offset + chunk.numel()].copy_(chunk)
-            offset += p.padded_shard_numel
-    return flat
+    return _copy_in(group.fsdp_params, grads, group.world_size, dtype)
 
 
 @replaces("fsdp2.all_gather_copy_out")
@@ -145,18 +140,7 @@ def rows_split_by_tensor_split(group, params, grads, dtype):
     """Splits each gradient's rows with ``torch.tensor_split`` (sizes differ by at most one)
     instead of ``torch.chunk`` (ceil-sized, the last short or empty): the same for 5 or 6 rows
     at N = 3, not for 7 (3, 2, 2 against 3, 3, 1) (Note [dim-0 chunks])."""
-    n = group.world_size
-    slot_numel = sum(p.padded_shard_numel for p in params)
-    flat = grads[0].new_zeros(n * slot_numel, dtype=dtype)
-    tag(flat, "comm")
-    slots = flat.view(n, slot_numel)
-    for r in range(n):
-        offset = 0
-        for p, g in zip(params, grads):
-            chunk = torch.tensor_split(g, n)[r].reshape(-1)
-            slots[r, offset: offset + chunk.numel()].copy_(chunk)
-            offset += p.padded_shard_numel
-    return flat
+    return _copy_in(params, grads, group.world_size, dtype, chunks=torch.tensor_split)
 
 
 # ---- unshard, wait_for_unshard, reshard ---------------------------------------------------------

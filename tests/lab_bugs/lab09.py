@@ -185,16 +185,9 @@ def overwrites_the_partial_sum(group, flat):
     return out
 
 
-@replaces("fsdp2.reduce_grads")
-@torch.no_grad()
-def pre_divides_after_the_reduce_scatter(group, flat):
-    """Divides by ``pre`` after the reduce-scatter, on the S-times smaller slot (fewer
-    divisions): the same numbers in exact arithmetic, but the fp16 sum over the shard group
-    overflows to inf where torch's pre-divided one does not -- avoiding that is why fp16
-    pre-divides at all (Note [mixed precision])."""
-    pre, post, op = _factors(group, flat)
-    out = _scatter(group, flat, op)
-    divide_if_needed(out, pre)
+def _across_replicas(group, out, op, post):
+    """The second hop done right (the bugs around it differ before it): keep or fold in the
+    partial sum, all-reduce across the replicas with ``op``, divide by ``post``."""
     if group.replicate_group is not None:
         if not group.all_reduce_grads:
             _keep(group, out)
@@ -205,6 +198,19 @@ def pre_divides_after_the_reduce_scatter(group, flat):
         comm.all_reduce(out, op, group.replicate_group)
     divide_if_needed(out, post)
     return out
+
+
+@replaces("fsdp2.reduce_grads")
+@torch.no_grad()
+def pre_divides_after_the_reduce_scatter(group, flat):
+    """Divides by ``pre`` after the reduce-scatter, on the S-times smaller slot (fewer
+    divisions): the same numbers in exact arithmetic, but the fp16 sum over the shard group
+    overflows to inf where torch's pre-divided one does not -- avoiding that is why fp16
+    pre-divides at all (Note [mixed precision])."""
+    pre, post, op = _factors(group, flat)
+    out = _scatter(group, flat, op)
+    divide_if_needed(out, pre)
+    return _across_replicas(group, out, op, post)
 
 
 @replaces("fsdp2.reduce_grads")
@@ -242,16 +248,7 @@ def ignores_the_divide_factor(group, flat):
     pre, post, op = _factors(group, flat)
     divide_if_needed(flat, pre)
     out = _scatter(group, flat, op)
-    if group.replicate_group is not None:
-        if not group.all_reduce_grads:
-            _keep(group, out)
-            return None
-        if group.partial_reduce_output is not None:
-            out += group.partial_reduce_output
-            group.partial_reduce_output = None
-        comm.all_reduce(out, op, group.replicate_group)
-    divide_if_needed(out, post)
-    return out
+    return _across_replicas(group, out, op, post)
 
 
 @replaces("fsdp2.reduce_grads")
@@ -265,16 +262,7 @@ def all_reduces_with_the_scatter_op(group, flat):
         group.gradient_divide_factor, group.force_sum_reduction_for_comms)
     divide_if_needed(flat, pre)
     out = _scatter(group, flat, op)
-    if group.replicate_group is not None:
-        if not group.all_reduce_grads:
-            _keep(group, out)
-            return None
-        if group.partial_reduce_output is not None:
-            out += group.partial_reduce_output
-            group.partial_reduce_output = None
-        comm.all_reduce(out, op, group.replicate_group)
-    divide_if_needed(out, post)
-    return out
+    return _across_replicas(group, out, op, post)
 
 
 CASE_FP32 = "HSDP on a 2 x 1 mesh, fp32: 3 Adam steps against torch's fully_shard"
