@@ -21,6 +21,9 @@ one can answer:
   pair left in the process), and its absolute peak grew pair to pair (154 -> 219 -> 320 ->
   412 MB on an H200). Every run starts after the previous one's objects are collected and the
   cache emptied, so each pair starts from the same floor;
+- the host link: with CPU offload (``--cpu-offload``, Note [FSDP2 CPU offload]), the bytes
+  one step copies between host and device (``HostDeviceCopies``), ours and torch's, against
+  the Note's prediction (``offload_moves``): equal on CUDA, or the check fails;
 - time: median step time, ours / torch's. On this small GPT the GPU waits for Python; the
   ``--bench`` mode times a GPT of 135M parameters in bf16, where the GPU is busy.
 
@@ -99,6 +102,7 @@ import time
 from dataclasses import dataclass
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from minifsdp import parity
 
@@ -133,6 +137,9 @@ PAIRS = [
     Pair("fsdp1 full shard, a unit per block, foreach=False", "fsdp1", "torch_fsdp1", FSDP1,
          foreach=False),
     Pair("bucketed DDP", "bucketed_ddp", "torch_ddp"),
+    # Note [FSDP2 CPU offload]: shards, gradients and Adam on the host; each step's copies
+    # across the host link counted (HostDeviceCopies) against the Note's bytes
+    Pair("fsdp2 fp32, CPU offload", "fsdp2", "torch_fsdp2", ("--cpu-offload",)),
 ]
 GPT = ("--model", "gpt", "--n-layer", 4, "--d-model", 256, "--n-head", 8, "--vocab-size", 512,
        "--seq-len", 64, "--global-batch", 8, "--optimizer", "adamw")
@@ -155,6 +162,60 @@ BENCH_PAIRS = [
          "torch_fsdp1", (*FSDP1, *BF16, "--backward-prefetch", "backward_pre")),
     Pair("bucketed DDP (fp32)", "bucketed_ddp", "torch_ddp"),
 ]
+
+
+class HostDeviceCopies(TorchDispatchMode):
+    """Count the bytes every op moves between host memory and a device, by direction.
+
+    A copy is an op whose input and output live on different devices: ``aten._to_copy``
+    (``t.to(device)``) and ``aten.copy_`` (``dst.copy_(src)``), seen at the dispatcher, so
+    ours and torch's are counted alike whichever Python calls made them. ``h2d``: from the
+    CPU to another device; ``d2h``: back. On a CPU-only run nothing crosses: both stay 0.
+
+    Example:
+        >>> with HostDeviceCopies() as c:
+        ...     _ = torch.ones(4).to("meta")          # 16 bytes host -> device
+        >>> c.h2d, c.d2h
+        (16, 0)
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.h2d = self.d2h = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if func in (torch.ops.aten._to_copy.default, torch.ops.aten.copy_.default):
+            src = args[0] if func is torch.ops.aten._to_copy.default else args[1]
+            dst = out
+            if isinstance(src, torch.Tensor) and src.device != dst.device:
+                nbytes = src.numel() * src.element_size()
+                if src.device.type == "cpu":
+                    self.h2d += nbytes
+                elif dst.device.type == "cpu":
+                    self.d2h += nbytes
+        return out
+
+
+def offload_moves(model: torch.nn.Module, after_backward: bool = True,
+                  ) -> list[tuple[str, int, int]]:
+    """Every copy across the host link in one step of our ``fully_shard`` with CPU offload, as
+    Note [FSDP2 CPU offload] predicts them, sorted: ``("h2d", numel, itemsize)`` per padded
+    shard and unshard (twice for a group resharded after forward), ``("d2h", numel,
+    itemsize)`` per parameter's rows with a gradient -- those that have a ``.grad`` now
+    (``after_backward``), or, after ``zero_grad``, every trainable one."""
+    from minifsdp import fsdp2
+
+    groups = [m.fsdp_state.group for m in model.modules()
+              if isinstance(m, fsdp2.FSDPModule) and m.fsdp_state.group is not None]
+    got_grad = (lambda p: p.grad is not None) if after_backward else (lambda p: p.requires_grad)
+    return sorted(
+        [("h2d", p.padded_shard_numel, p.sharded_param.element_size())
+         for g in groups for p in g.fsdp_params
+         for _ in range(2 if g.reshard_after_forward else 1)]
+        + [("d2h", p.sharded_numel, p.sharded_param.element_size())
+           for g in groups for p in g.fsdp_params if got_grad(p.sharded_param)])
 
 
 def _would_use_foreach(opt: torch.optim.Optimizer) -> bool:
@@ -237,7 +298,7 @@ def run_one(strategy: str, extra: tuple, steps: int, info, tiny: bool = False,
                              foreach)
     batches = make_batches(args, info)
     cuda = info.device.type == "cuda"
-    losses, times, memory = [], [], {}
+    losses, times, memory, copied = [], [], {}, None
     for step in range(steps):
         x, y = next(batches)
         last = step == steps - 1
@@ -248,11 +309,19 @@ def run_one(strategy: str, extra: tuple, steps: int, info, tiny: bool = False,
                 memory["allocator_at_start"] = torch.cuda.memory_allocated(info.device)
         t0 = time.perf_counter()
         tracker = MemoryTracker(model=model, optimizer=opt, device=info.device) if last else None
-        with tracker if tracker else contextlib.nullcontext():
+        copies = HostDeviceCopies() if step == 1 else None  # a steady step, without the tracker
+        with tracker if tracker else contextlib.nullcontext(), \
+                copies if copies else contextlib.nullcontext():
             if tracker:
                 tracker.register((x, y), "activations")
                 memory["tracker_at_start"] = tracker.current()["total"]
             loss = train_step(model, opt, x, y, tracker)
+        if copies:
+            copied = {"h2d": copies.h2d, "d2h": copies.d2h}
+            if strategy == "fsdp2" and "--cpu-offload" in extra:  # after zero_grad
+                moves = offload_moves(model, after_backward=False)
+                copied["note"] = [sum(n * size for kind, n, size in moves if kind == k)
+                                  for k in ("h2d", "d2h")]
         if cuda:
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
@@ -263,7 +332,7 @@ def run_one(strategy: str, extra: tuple, steps: int, info, tiny: bool = False,
         memory["allocator_peak"] = torch.cuda.max_memory_allocated(info.device)
         memory["allocator_delta"] = memory["allocator_peak"] - memory["allocator_at_start"]
     out = {"losses": losses, "params": full_params(model), "times": times, "memory": memory,
-           "foreach": _would_use_foreach(opt)}
+           "foreach": _would_use_foreach(opt), "copies": copied}
     del model, opt, batches
     _fresh(info.device)
     return out
@@ -312,6 +381,7 @@ def worker(steps: int, tiny: bool) -> None:
             "step_ms": [1e3 * statistics.median(r["times"][1:] or r["times"]) for r in (a, b)],
             "memory": [a["memory"], b["memory"]],
             "foreach": [a["foreach"], b["foreach"]],
+            "copies": [a["copies"], b["copies"]],
         })
         if pair.repeat:  # Note [FSDP1 on CUDA]: is each deterministic with itself?
             for first, strategy in ((a, pair.ours), (b, pair.torch)):
@@ -411,6 +481,14 @@ def report(res: dict) -> str:
                          f"elements differ, the most in `{p['worst_param']}`; first loss "
                          f"difference at step {p['first_loss_diff_step']}; first element: "
                          f"{p['first_divergence']}")
+    for p in res["pairs"]:
+        ours, theirs = p.get("copies") or (None, None)
+        if ours and "note" in ours:  # Note [FSDP2 CPU offload]: the host link, one step
+            lines.append(
+                f"- {p['name']}, host link in step 2: H2D ours / torch / the Note's "
+                f"{mb(ours['h2d'])} / {mb(theirs['h2d'])} / {mb(ours['note'][0])} MB, D2H "
+                f"{mb(ours['d2h'])} / {mb(theirs['d2h'])} / {mb(ours['note'][1])} MB"
+                + ("" if cuda else " (a CPU mesh copies nothing: the Note's bytes need CUDA)"))
     for r in res.get("repeats", []):
         verdict = "bitwise equal to itself" if r["params_equal"] and r["losses_equal"] else (
             f"NOT deterministic: max abs diff {r['max_abs_diff']:.1e}, "
@@ -463,9 +541,14 @@ def run_bench(tiny: bool = False, rounds: int = 5, steps: int = 5, warmup: int =
 
 
 def passed(res: dict) -> bool:
-    """Every pair bitwise equal where it is expected to be."""
-    return all(p["losses_equal"] and p["params_equal"]
-               for p in res["pairs"] if p["bitwise_expected"])
+    """Every pair bitwise equal where it is expected to be; on CUDA, our offload's copies
+    across the host link exactly Note [FSDP2 CPU offload]'s bytes."""
+    bitwise = all(p["losses_equal"] and p["params_equal"]
+                  for p in res["pairs"] if p["bitwise_expected"])
+    offload = [c[0] for c in (p.get("copies") for p in res["pairs"]) if c and c[0]
+               and "note" in c[0]]
+    return bitwise and (res["backend"] != "nccl"
+                        or all([c["h2d"], c["d2h"]] == c["note"] for c in offload))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -146,7 +146,7 @@ FSDP1_WHY = {"backward_prefetch": "FSDP1 takes backward_pre, backward_post or no
 FSDP2_TAKES = {"param_dtype": ANY, "reduce_dtype": ANY, "output_dtype": ANY,
                "clip_grad_norm": ANY, "hsdp": ANY, "reshard_after_forward": ANY,
                "forward_prefetch": ("none", "implicit", "explicit"),
-               "backward_prefetch": ("implicit", "explicit", "none")}
+               "backward_prefetch": ("implicit", "explicit", "none"), "cpu_offload": ANY}
 BUCKETS = {"bucket_cap_mb": ANY}
 
 
@@ -234,9 +234,10 @@ def _torch_fsdp1(model, info, args):
 def _fsdp2(model, info, args):
     # torch_fsdp2's units and options, with minifsdp.fsdp2.fully_shard. Its parameters are
     # DTensors too, so save_full_params' get_model_state_dict gathers them as it does torch's.
-    from minifsdp.fsdp2 import MixedPrecisionPolicy, fully_shard
+    from minifsdp.fsdp2 import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
-    model = shard_bottom_up(fully_shard, model, info, args, MixedPrecisionPolicy)
+    model = shard_bottom_up(fully_shard, model, info, args, MixedPrecisionPolicy,
+                            CPUOffloadPolicy)
     return set_prefetch(model, args)
 
 
@@ -249,9 +250,10 @@ def _fsdp2(model, info, args):
                                     "(implicitly, or its explicit lists); only --strategy "
                                     "fsdp2 can turn it off"})
 def _torch_fsdp2(model, info, args):
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
-    model = shard_bottom_up(fully_shard, model, info, args, MixedPrecisionPolicy)
+    model = shard_bottom_up(fully_shard, model, info, args, MixedPrecisionPolicy,
+                            CPUOffloadPolicy)
     return set_prefetch(model, args)  # explicit lists only: check_flags refuses the rest
 
 
@@ -283,17 +285,22 @@ strategy("zero2", takes=BUCKETS)(_zero(2))
 
 
 # ---- what the FSDP2 builders share --------------------------------------------------------------
-def shard_bottom_up(fully_shard, model, info, args, policy_cls=None):
+def shard_bottom_up(fully_shard, model, info, args, policy_cls=None, offload_cls=None):
     """``fully_shard`` (torch's or ours) on each of ``shard_units(model)``, children before the
     root, then on the root, over ``data_parallel_mesh``; ``policy_cls``: that
-    implementation's ``MixedPrecisionPolicy``, for ``--param-dtype`` and co."""
+    implementation's ``MixedPrecisionPolicy``, for ``--param-dtype`` and co.; ``offload_cls``:
+    its ``CPUOffloadPolicy``, for ``--cpu-offload`` (pinned where the ranks compute on an
+    accelerator: pinning needs one, Note [FSDP2 CPU offload])."""
     mesh = data_parallel_mesh(info, args)
     unit_mp, root_mp = mixed_precision_kwargs(args, policy_cls)
+    off = {}
+    if getattr(args, "cpu_offload", False):
+        off["offload_policy"] = offload_cls(pin_memory=info.device.type != "cpu")
     for unit in shard_units(model):
         fully_shard(unit, mesh=mesh, reshard_after_forward=args.reshard_after_forward,
-                    **unit_mp)
+                    **unit_mp, **off)
     return fully_shard(model, mesh=mesh, reshard_after_forward=args.reshard_after_forward,
-                       **root_mp)
+                       **root_mp, **off)
 
 
 def data_parallel_mesh(info: DistInfo, args: argparse.Namespace):

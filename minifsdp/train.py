@@ -102,8 +102,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--min-num-params", type=int, default=10_000,
                    help="--auto-wrap size: the threshold (torch's min_num_params)")
     p.add_argument("--cpu-offload", action="store_true",
-                   help="fsdp1, torch_fsdp1: keep the parameter shards and their gradients in "
-                   "host memory (torch's needs an accelerator)")
+                   help="keep the parameter shards and their gradients in host memory: fsdp1, "
+                   "torch_fsdp1 (torch's needs an accelerator); fsdp2, torch_fsdp2 "
+                   "(CPUOffloadPolicy: the optimizer steps on the CPU too)")
     p.add_argument("--full-batch", action="store_true",
                    help="with --strategy single: one backward over the whole global batch "
                    "instead of accumulating its --data-shards micro-batches "

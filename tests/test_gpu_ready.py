@@ -279,6 +279,23 @@ def test_gpucheck_runs_on_cpu_and_finds_every_pair_bitwise_equal(capsys):
                  if line.startswith("| fsdp1 full shard, a unit per block, torch's foreach"))
     assert "| False / True |" in fsdp1
     assert out.count("bitwise equal to itself") == 2  # FSDP1, ours and torch's, twice each
+    # CPU offload: on a CPU mesh nothing crosses a host link, though the Note predicts bytes
+    # for a device (what the GPU run checks exactly)
+    link = next(line for line in out.splitlines() if "host link in step 2" in line)
+    assert "H2D ours / torch / the Note's 0.00 / 0.00 / " in link, link
+    assert "a CPU mesh copies nothing" in link and " / 0.00 MB" not in link, link
+
+
+def test_host_device_copies_counts_only_what_crosses_devices():
+    """The GPU check's counter of the host link, on the one other device a CPU has: meta."""
+    from minifsdp.gpucheck import HostDeviceCopies
+
+    with HostDeviceCopies() as c:
+        torch.ones(4).to("meta")                                # 16 bytes across
+        torch.empty(2, device="meta").copy_(torch.ones(2, dtype=torch.float64))  # 16 across
+        torch.ones(3).to(torch.float64)                         # a cast on the host: none
+        torch.zeros(5).copy_(torch.ones(5))                     # host to host: none
+    assert (c.h2d, c.d2h) == (32, 0)
 
 
 def test_gpucheck_bench_has_a_dry_run_on_cpu(capsys):

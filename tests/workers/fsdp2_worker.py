@@ -25,6 +25,7 @@ from torch.distributed.tensor.debug import CommDebugMode
 
 from minifsdp import comm, fsdp2
 from minifsdp.dist import dist_setup, finish
+from minifsdp.gpucheck import offload_moves
 from minifsdp.models import GPT, GPTConfig
 from minifsdp.parity import divergence_line, max_abs_diff
 
@@ -617,13 +618,7 @@ def offload() -> dict:
                 devices |= {f"grad {p.grad.to_local().device.type}" for p in named.values()
                             if p.grad is not None}
                 if name == "ours":  # the Note's prediction from our groups
-                    groups = [mod.fsdp_state.group for mod in model.modules()
-                              if isinstance(mod, fsdp2.FSDPModule)]
-                    predicted.append(sorted(
-                        [("h2d", p.padded_shard_numel, 4) for g in groups for p in g.fsdp_params
-                         for _ in range(2 if g.reshard_after_forward else 1)]
-                        + [("d2h", p.sharded_numel, 4) for g in groups for p in g.fsdp_params
-                           if p.sharded_param.grad is not None]))
+                    predicted.append(offload_moves(model))
                 opt.step()
                 opt.zero_grad()
         devices |= {f"param {p.to_local().device.type}" for p in model.parameters()}
