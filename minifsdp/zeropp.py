@@ -20,8 +20,9 @@ Symmetric, round to nearest even. Dequantized ``q * scale_b`` differs from x by 
 step, ``scale_b / 2``, plus fp32's roundings of ``x / scale`` and ``q * scale`` (relative 2^-24
 each, |q| <= 127): ``|x - q * scale| <= scale * (1/2 + 2^-16)`` -- ``error_bound``. One scale
 per block, not per tensor, so an outlier spoils only its own B elements (the paper's
-block-based quantization; DeepSpeed's qgZ quantizes in groups as long as the gradient's larger
-dimension, ``all_to_all_quant_reduce``).
+block-based quantization; DeepSpeed's qgZ cuts a 2-D gradient into max(rows, columns, world
+size) groups, ``intra_quant_group`` in ``all_to_all_quant_reduce``, each about as long as the
+smaller dimension).
 """
 
 from __future__ import annotations
@@ -195,8 +196,8 @@ ranks of a node, so backward gathers them inside the node. FSDP2's
 after forward each rank keeps 1/k of the unsharded parameters, and backward all-gathers
 over the k-rank groups ``DeviceMesh(mesh.mesh.view(-1, k))`` -- contiguous ranks, one node
 when ranks are numbered node by node (torchrun's default). The values are the same, only
-the group changes, so training is bitwise that of ``True``; the price is P/k per rank
-between forward and backward instead of P/N. Unlike DeepSpeed's hpZ (``zero_hpz_partition_
+the group changes, so training is bitwise that of ``True``; the price is P/k more elements per
+rank (in param_dtype) between forward and backward, beside the P/N shard both keep. Unlike DeepSpeed's hpZ (``zero_hpz_partition_
 size``), the secondary copy lives only from forward to backward, and it cannot follow a
 QuantizedWeight: the extension rebuilds its parameter from its own all-gather outputs, so
 both torch and minifsdp refuse ``reshard_after_forward=k`` for it (Note [qwZ]).
