@@ -94,7 +94,8 @@ POLICIES = (
      True, ((OVERFLOW_SCALE, 1.0), (SUBNORMAL_SCALE, SUBNORMAL_SCALE), (1.0, 1.0)), None),
     # Note [divide factor]: the factor divides the sum over all R S ranks, so the reduce-scatter
     # takes the factor's op (AVG where it is S; gloo has no PREMUL_SUM for any other) and the
-    # all-reduce SUMs: R times the mean. (S = 1 meshes skip it: torch divides twice there.)
+    # all-reduce SUMs: R times the mean. (S = 1 meshes skip it: minifsdp refuses a factor
+    # there, where torch, running no reduce-scatter, divides twice under force-sum or in fp16.)
     ("fp32, set_gradient_divide_factor(S) on every group (the factor's op in the "
      "reduce-scatter, SUM across replicas)", None, None, 1, True, None, 1),
 )
