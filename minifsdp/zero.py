@@ -63,7 +63,8 @@ Note [ZeRO-1 traffic]: stage 1 all-reduces gradients exactly as DDP does, so aft
 unchanged) -- yet each rank then uses only its 1/N of it, and pays another (N-1)/N S to
 all-gather the parameters: 1.5x DDP's bytes. A reduce-scatter delivers just the slice each
 rank needs for half an all-reduce's bytes; stage 2 uses it and frees the rest, which brings
-the traffic back to DDP's 2(N-1)/N S ("no additional communication", the paper's 7.2.1).
+the traffic back to DDP's 2(N-1)/N S ("no additional communication", the paper's section 7;
+7.2.1 derives it).
 Those are the ring algorithm's bytes, which NCCL's reduce-scatter sends; gloo has none of its
 own and runs it as an all-reduce of a copy of the input (torch's
 ``ProcessGroupGloo::reduce_scatter_tensor_coalesced``), so on gloo stage 2 saves no traffic.
