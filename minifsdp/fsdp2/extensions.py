@@ -19,6 +19,10 @@ so the wire carries W at 1 byte an element, a quarter of fp32 and half of bf16. 
 move float8 at all (Note [gloo dtypes]); uint8 it can. Always bytes, even when every input
 of the group has one dtype (torch then gathers in that dtype, which fails on gloo for an
 all-float8 group): the same path in every case.
+
+Also here, the parameter types themselves: ``ExtensionWeight``, the base of ours (chapter 07's
+``Float8Weight``, chapter 12's ``QuantizedWeight``), and ``OnTorch``, which runs the same hooks
+under torch's ``fully_shard`` so that torch can be the bitwise oracle for them.
 """
 
 from __future__ import annotations
