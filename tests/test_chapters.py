@@ -1,5 +1,6 @@
 """The chapter index (minifsdp/chapters.py) is the repository's map: hold the files to it."""
 
+import json
 import re
 from pathlib import Path
 
@@ -48,6 +49,14 @@ def test_every_chapter_with_exercise_checkers_has_its_exercise_tests():
     assert with_checkers == sorted(c for c in CHAPTERS if c not in NO_EXERCISES)
     assert [c for c in with_checkers
             if f"tests/test_exercises_{c}.py" not in CHAPTERS[c].tests] == []
+
+
+def test_every_notebook_cell_has_a_unique_id():
+    """nbformat 4.5 requires cell ids (nbclient warns today and will refuse later)."""
+    for c in CHAPTERS.values():
+        cells = json.loads((ROOT / c.notebook).read_text())["cells"]
+        ids = [cell.get("id") for cell in cells]
+        assert None not in ids and len(set(ids)) == len(ids), c.notebook
 
 
 def test_the_readme_names_every_chapter_notebook():
