@@ -197,8 +197,8 @@ after forward each rank keeps 1/k of the unsharded parameters, and backward all-
 over the k-rank groups ``DeviceMesh(mesh.mesh.view(-1, k))`` -- contiguous ranks, one node
 when ranks are numbered node by node (torchrun's default). The values are the same, only
 the group changes, so training is bitwise that of ``True``; the price is P/k more elements per
-rank (in param_dtype) between forward and backward, beside the P/N shard both keep. Unlike DeepSpeed's hpZ (``zero_hpz_partition_
-size``), the secondary copy lives only from forward to backward, and it cannot follow a
+rank (param_dtype) between forward and backward, beside the P/N shard. Unlike DeepSpeed's hpZ
+(``zero_hpz_partition_size``), the copy lives only from forward to backward, and it cannot follow a
 QuantizedWeight: the extension rebuilds its parameter from its own all-gather outputs, so
 both torch and minifsdp refuse ``reshard_after_forward=k`` for it (Note [qwZ]).
 """
