@@ -44,8 +44,14 @@ def test_rank_killed_by_a_signal_names_it_and_shows_the_survivors_error():
     assert err.value.rank == 1
     assert "rank 1 was killed by signal 9 (SIGKILL) and printed nothing" in msg
     assert "out-of-memory killer" in msg
-    # rank 0's own error, not the stack dump of its stop (which names no Python frame)
-    assert "rank 0 then failed with" in msg and "Connection closed by peer" in msg
+    # What rank 0 shows is a race between gloo noticing the closed socket and torchrun's SIGTERM
+    # (a loaded machine can deliver the SIGTERM first, e.g. while the excepthook prints): either
+    # rank 0's own error or where it was stopped, never nothing and never a frameless dump.
+    if "rank 0 then failed with" in msg:
+        assert "Connection closed by peer" in msg.split("rank 0 then failed with")[1]
+    else:
+        assert "rank 0 was stopped here" in msg
+        assert "File " in msg.split("rank 0 was stopped here")[1]
     assert "Garbage-collecting" not in msg
 
 
