@@ -141,13 +141,17 @@ def choose_backend(local_ranks: int, gpus: int | None = None,
 def describe_machine() -> str:
     """One line for a notebook's first cell: what this machine's jobs will run on.
 
+    The core count is the one this process may run on: the chapters' timings and gloo's
+    behaviour are stated for it ("measured on 2 cores").
+
     Example (a 2-core laptop):
         >>> describe_machine()                # doctest: +SKIP
-        'this machine: torch 2.14.1, no GPU: every job runs on CPU with gloo'
+        'this machine: torch 2.14.1, 2 CPU cores, no GPU: every job runs on CPU with gloo'
     """
     gpus = visible_gpus()
     forced = os.environ.get("MINIFSDP_BACKEND", "")
-    head = f"this machine: torch {torch.__version__}, "
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    head = f"this machine: torch {torch.__version__}, {cores} CPU core{'s' * (cores != 1)}, "
     if forced:
         return head + f"MINIFSDP_BACKEND={forced}: every job runs on {forced}"
     if gpus == 0:

@@ -61,10 +61,11 @@ def _sanitize(text: str) -> str:
 def test_what_differs_between_machines_is_sanitized():
     """The machine line and a job's backend line read differently on a laptop and on a GPU box;
     nbval must compare them as equal (and compare the rest)."""
-    laptop = ("this machine: torch 2.14.1+cu130, no GPU: every job runs on CPU with gloo\n"
+    laptop = ("this machine: torch 2.14.1+cu130, 2 CPU cores, no GPU: every job runs on CPU with "
+              "gloo\n"
               "✓ a claim · measured: 0.0271\n")
-    gpu_box = ("this machine: torch 2.11.0+cu130, 1 GPU (NVIDIA H200): a job of up to 1 rank runs "
-               "on NCCL, one GPU each; a larger job on CPU with gloo\n"
+    gpu_box = ("this machine: torch 2.11.0+cu130, 16 CPU cores, 1 GPU (NVIDIA H200): a job of up "
+               "to 1 rank runs on NCCL, one GPU each; a larger job on CPU with gloo\n"
                "2 ranks, 1 GPU: this job runs on CPU with gloo (NCCL needs a GPU per rank)\n"
                "✓ a claim · measured: (0.0302, {'a': 1})\n")
     assert _sanitize(laptop) == _sanitize(gpu_box) == _sanitize("this machine: x\n✓ a claim\n")
