@@ -25,7 +25,8 @@ def reduce_grads(group, flat):
 
     Given: ``flat``, 1-D, ``S * slot`` elements in the reduce dtype, laid out by the copy-in
     (slot r = rank r's rows of every gradient; Note [copy-in and copy-out]); ``group``:
-    ``process_group`` (the shard group, ``world_size`` S ranks), ``replicate_group`` (R =
+    ``reduce_scatter_group`` (the shard group of ``world_size`` S ranks, or its copy under
+    ``set_separate_reduce_scatter_group``: reduce-scatter over it), ``replicate_group`` (R =
     ``mesh_info.replicate_size`` ranks holding the same rows; None on a 1-D mesh),
     ``all_reduce_grads`` (False under ``set_requires_all_reduce(False)``),
     ``partial_reduce_output`` (None, or what an earlier backward kept),

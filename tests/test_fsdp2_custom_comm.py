@@ -35,9 +35,10 @@ def worker(launched) -> dict[int, list[dict]]:
 
 
 def every(worker):
-    """``(where, case)`` for every rank, N and case."""
+    """``(where, case)`` for every rank, N and case (``separate``: fp32 again, with
+    ``set_separate_reduce_scatter_group``, where the worker's torch has it)."""
     return [(f"N = {n}, rank {r['rank']}, {c}", r[c]) for n, ranks in worker.items()
-            for r in ranks for c in CASES]
+            for r in ranks for c in (*CASES, "separate") if c in r]
 
 
 def test_worker_custom_comms_train_bitwise_like_torch(worker):
@@ -109,6 +110,42 @@ def test_worker_comm_log_records_only_what_goes_through_minifsdp_comm(worker):
         assert case["logged"] == STEPS * ["all_gather fsdp2 params blocks.1",
                                           "all_gather fsdp2 params blocks.1",
                                           "reduce_scatter fsdp2 grads blocks.1"], where
+
+
+def test_worker_separate_reduce_scatter_group_is_a_copy_of_the_shard_group(worker):
+    """``set_separate_reduce_scatter_group()`` (Note [a reduce-scatter group of its own]):
+    every group's reduce-scatter runs over one new group with the shard group's ranks, its
+    all-gathers still over the mesh's, ours as torch's, and the run stays bitwise torch's and
+    ours-default (the other tests cover the ``separate`` case too). Without it, both reduce
+    over the mesh's group."""
+    if not all("separate" in r for ranks in worker.values() for r in ranks):
+        pytest.skip("this torch has no FSDPModule.set_separate_reduce_scatter_group (2.14 has)")
+    for n, ranks in worker.items():
+        for r in ranks:
+            for side in ("ours", "torch"):
+                for c in CASES:
+                    assert {g for _, g in r[c]["groups"][side]} == {"mesh"}, (n, c, side)
+                groups = r["separate"]["groups"][side]
+                assert {g for op, g in groups if op == "AG"} == {"mesh"}, (n, side)
+                rs = {g for op, g in groups if op == "RS"}
+                assert len(rs) == 1 and next(iter(rs)).startswith(
+                    f"copy {tuple(range(n))} "), (n, side, rs)
+
+
+def test_separate_reduce_scatter_group_can_be_turned_off(cpu_mesh):
+    """``False`` puts every group back on the shard group; ``True`` twice keeps one copy."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    fully_shard(model[0], mesh=cpu_mesh)
+    fully_shard(model, mesh=cpu_mesh)
+    groups = [m.fsdp_state.group for m in (model[0], model)]
+    model.set_separate_reduce_scatter_group()
+    first = groups[0].reduce_scatter_group
+    assert first is not groups[0].process_group and all(
+        g.reduce_scatter_group is first for g in groups)
+    model.set_separate_reduce_scatter_group()
+    assert all(g.reduce_scatter_group is first for g in groups)
+    model.set_separate_reduce_scatter_group(False)
+    assert all(g.reduce_scatter_group is g.process_group for g in groups)
 
 
 def test_worker_bad_comms_are_refused_by_name(worker):

@@ -319,6 +319,29 @@ class FSDPModule:
         for group in self._groups(recurse=False):
             group.force_sum_reduction_for_comms = enable
 
+    def set_separate_reduce_scatter_group(self, enable: bool = True, *,
+                                          recurse: bool = True) -> None:
+        """``True``: reduce-scatter gradients over a process group of their own, a copy of the
+        shard group (the same ranks), made here once per set of ranks and shared by every
+        group that shards over them; ``False``: back to the shard group. Collective over each
+        shard group's ranks, as torch's: call it on every rank alike. Same values either way
+        (Note [a reduce-scatter group of its own] in ``fsdp_param_group.py``: on NCCL it lets
+        a reduce-scatter and an all-gather be on the wire together)::
+
+            model.set_separate_reduce_scatter_group()   # every FSDP module below model too
+        """
+        made: dict[tuple[int, ...], dist.ProcessGroup] = {}
+        for group in self._groups(recurse):
+            if not enable:
+                group.separate_reduce_scatter_group = None
+                continue
+            ranks = tuple(dist.get_process_group_ranks(group.process_group))
+            if ranks not in made:  # an existing copy is reused: calling twice is harmless
+                made[ranks] = group.separate_reduce_scatter_group or dist.new_group(
+                    list(ranks), use_local_synchronization=True,
+                    group_desc="fsdp_reduce_scatter")
+            group.separate_reduce_scatter_group = made[ranks]
+
     def set_reduce_scatter_unused_params(self, reduce_scatter_unused_params: bool, *,
                                          recurse: bool = True) -> None:
         """``True``: reduce-scatter a zero gradient for every parameter that requires one and

@@ -105,6 +105,7 @@ from __future__ import annotations
 from enum import Enum, auto
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
@@ -202,6 +203,25 @@ class FSDPParamGroup:
         self.unshard_in_backward = True  # Note [no all-gather in backward]
         # set_custom_all_gather / set_custom_reduce_scatter (Note [custom collectives])
         self.all_gather_comm, self.reduce_scatter_comm = DefaultAllGather(), DefaultReduceScatter()
+        # set_separate_reduce_scatter_group (Note [a reduce-scatter group of its own])
+        self.separate_reduce_scatter_group: dist.ProcessGroup | None = None
+
+    @property
+    def reduce_scatter_group(self) -> dist.ProcessGroup:
+        """The group the gradients are reduce-scattered over: the shard group, or the copy of
+        it that ``set_separate_reduce_scatter_group`` made (the same ranks, in the same order).
+
+        Note [a reduce-scatter group of its own]: NCCL runs one collective at a time per
+        communicator, so an all-gather and a reduce-scatter issued on two CUDA streams through
+        one process group still take turns on the wire. torch's
+        ``set_separate_reduce_scatter_group`` gives the reduce-scatter a second group over the
+        same ranks (``dist.new_group(ranks, use_local_synchronization=True)``, one per set of
+        ranks, shared by every group sharding over them), so backward's prefetched
+        all-gather and the previous group's reduce-scatter can be on the wire together. The
+        values are the same: the same ranks sum in the same order. Ours issues the
+        reduce-scatter blocking on the current stream (Note [GPUs]), so here it changes which
+        gloo context carries the bytes, not what overlaps."""
+        return self.separate_reduce_scatter_group or self.process_group
 
     def set_reshard_after_forward(self, reshard_after_forward: bool | int | None) -> None:
         """A bool, ``None`` (decided at lazy init) or an int k (Note [reshard to k ranks])."""

@@ -80,7 +80,7 @@ def reduce_grads(group: FSDPParamGroup, flat: torch.Tensor) -> torch.Tensor | No
     # the sharded grads view the output -- unless it is cast up later, then it is transient
     tag(out, "grads" if out.dtype == group.dtypes.orig else "comm")
     with comm.tagged(f"fsdp2 grads {group.name}"):
-        rs(output_tensor=out, input_tensor=flat, group=group.process_group, op=op)
+        rs(output_tensor=out, input_tensor=flat, group=group.reduce_scatter_group, op=op)
     # Free the input here and now, not by dropping our reference: gloo's worker thread holds
     # it for a moment after the (blocking) collective returns, and a free at a time of its
     # choosing would move the step's peak from run to run (as ``_free`` in

@@ -307,8 +307,9 @@ LAB = Lab(
         "group (the ranks that hold the same rows). Only the second hop crosses nodes, so it "
         "must carry as few bytes as possible. Read Note [HSDP] and Note [HSDP accumulation] "
         "(fsdp2/hsdp.py), and Note [mixed precision] for how torch divides.",
-        "Given flat, (S * slot,) in the reduce dtype: the shard group is group.process_group "
-        "(S = group.world_size ranks), the replicate group group.replicate_group (R = "
+        "Given flat, (S * slot,) in the reduce dtype: reduce-scatter over "
+        "group.reduce_scatter_group (the shard group, S = group.world_size ranks, or its copy "
+        "under set_separate_reduce_scatter_group), the replicate group group.replicate_group (R = "
         "group.mesh_info.replicate_size; None on a 1-D mesh). torch's factors for N = R S "
         "ranks: fp32 and bf16 let the backend average (ReduceOp.AVG, in both collectives, "
         "nothing else divides); other dtypes divide by pre before and post after, with SUM. "

@@ -22,7 +22,7 @@ def _factors(group, flat):
 def _scatter(group, flat, op):
     out = flat.new_empty(flat.numel() // group.world_size)
     tag(out, "grads")
-    comm.reduce_scatter_tensor(out, flat, op, group.process_group)
+    comm.reduce_scatter_tensor(out, flat, op, group.reduce_scatter_group)
     flat.untyped_storage().resize_(0)
     return out
 
@@ -150,7 +150,7 @@ def keeps_flat(group, flat):
     divide_if_needed(flat, pre)
     out = flat.new_empty(flat.numel() // group.world_size)
     tag(out, "grads")
-    comm.reduce_scatter_tensor(out, flat, op, group.process_group)
+    comm.reduce_scatter_tensor(out, flat, op, group.reduce_scatter_group)
     if group.replicate_group is not None:
         if not group.all_reduce_grads:
             _keep(group, out)

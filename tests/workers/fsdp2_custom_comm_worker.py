@@ -48,8 +48,8 @@ all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_
 
 
 class SelfAllocAllGather(fsdp2.AllGather):
-    def __init__(self, name: str, log: list, flags: list, kept: list):
-        self.name, self.log, self.flags, self.kept = name, log, flags, kept
+    def __init__(self, name: str, log: list, flags: list, kept: list, groups: list):
+        self.name, self.log, self.flags, self.kept, self.groups = name, log, flags, kept, groups
 
     def allocate(self, size, *, dtype, device):
         self.log.append(f"{self.name} AG allocate {tuple(size)} {dtype}")
@@ -61,12 +61,13 @@ class SelfAllocAllGather(fsdp2.AllGather):
         self.log.append(f"{self.name} AG {input_tensor.numel()} -> {output_tensor.numel()} "
                         f"{output_tensor.dtype} over {group.size()}")
         self.flags.append(async_op)
+        self.groups.append(("AG", group_label(group)))
         return all_gather_single(output_tensor, input_tensor, group=group, async_op=async_op)
 
 
 class AllReduceSlice(fsdp2.ReduceScatter):
-    def __init__(self, name: str, log: list, kept: list):
-        self.name, self.log, self.kept = name, log, kept
+    def __init__(self, name: str, log: list, kept: list, groups: list):
+        self.name, self.log, self.kept, self.groups = name, log, kept, groups
 
     def allocate(self, size, *, dtype, device):
         self.log.append(f"{self.name} RS allocate {tuple(size)} {dtype}")
@@ -77,8 +78,16 @@ class AllReduceSlice(fsdp2.ReduceScatter):
     def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
         self.log.append(f"{self.name} RS {input_tensor.numel()} -> {output_tensor.numel()} "
                         f"{input_tensor.dtype} over {group.size()} op {op}")
+        self.groups.append(("RS", group_label(group)))
         dist.all_reduce(input_tensor, op=op, group=group)
         output_tensor.copy_(input_tensor.view(group.size(), -1)[group.rank()])
+
+
+def group_label(group) -> str:
+    """"mesh" for the mesh's own group; else the group's ranks and its id (to tell copies apart)."""
+    if group is mesh.get_group():
+        return "mesh"
+    return f"copy {tuple(dist.get_process_group_ranks(group))} {id(group)}"
 
 
 def make() -> Pair:
@@ -86,21 +95,26 @@ def make() -> Pair:
     return Pair().to(info.device)
 
 
-def shard(model: Pair, theirs: bool, policy: dict | None, custom: bool) -> dict:
-    """Shard bottom-up; with ``custom``, give every module but ``DEFAULT_ONLY`` its comms.
+def shard(model: Pair, theirs: bool, policy: dict | None, custom: bool,
+          separate: bool = False) -> dict:
+    """Shard bottom-up; with ``custom``, give every module but ``DEFAULT_ONLY`` its comms;
+    with ``separate``, ``set_separate_reduce_scatter_group()`` on the root (every module).
     Returns the comms' records."""
     fs = torch_fully_shard if theirs else fsdp2.fully_shard
     kw = {} if policy is None else {
         "mp_policy": (TorchPolicy if theirs else fsdp2.MixedPrecisionPolicy)(**policy)}
     for name in ("emb", "blocks.0", "blocks.1", "head", ""):
         fs(model.get_submodule(name), mesh=mesh, **kw)
-    rec = {"log": [], "async": [], "kept": []}
+    rec = {"log": [], "async": [], "kept": [], "groups": []}
+    if separate:
+        model.set_separate_reduce_scatter_group()
     if custom:
         for name in ("emb", "blocks.0", "head", ""):  # the root's: not recursive
             m = model.get_submodule(name)
-            m.set_custom_all_gather(SelfAllocAllGather(name or "root", rec["log"],
-                                                       rec["async"], rec["kept"]))
-            m.set_custom_reduce_scatter(AllReduceSlice(name or "root", rec["log"], rec["kept"]))
+            m.set_custom_all_gather(SelfAllocAllGather(name or "root", rec["log"], rec["async"],
+                                                       rec["kept"], rec["groups"]))
+            m.set_custom_reduce_scatter(AllReduceSlice(name or "root", rec["log"], rec["kept"],
+                                                       rec["groups"]))
     return rec
 
 
@@ -144,9 +158,10 @@ def first_divergence(a: dict, b: dict, names: tuple[str, str]) -> str | None:
     return None
 
 
-def case(policy: dict | None) -> dict:
+def case(policy: dict | None, separate: bool = False) -> dict:
     ours, theirs, plain = make(), make(), make()
-    rec = {"ours": shard(ours, False, policy, True), "torch": shard(theirs, True, policy, True)}
+    rec = {"ours": shard(ours, False, policy, True, separate),
+           "torch": shard(theirs, True, policy, True, separate)}
     shard(plain, False, policy, False)
     with comm.logging_comm() as log:
         got = train(ours)
@@ -160,6 +175,7 @@ def case(policy: dict | None) -> dict:
         "kept_alive": {k: all(b.untyped_storage().nbytes() == b.numel() * b.element_size()
                               for b in v["kept"]) for k, v in rec.items()},
         "logged": logged,
+        "groups": {k: v["groups"] for k, v in rec.items()},
     }
 
 
@@ -191,15 +207,18 @@ def errors() -> dict:
             NoAllocate()))
         attempt(f"{side}_not_callable", lambda m=model: m.set_custom_reduce_scatter(object()))
         attempt(f"{side}_swapped", lambda m=model: m.set_custom_all_gather(
-            AllReduceSlice("x", [], [])))
+            AllReduceSlice("x", [], [], [])))
     model = make()
     fsdp2.fully_shard(model, mesh=mesh)
-    model.set_custom_all_gather(WrongSize("root", [], [], []))
+    model.set_custom_all_gather(WrongSize("root", [], [], [], []))
     attempt("ours_wrong_size", lambda: model(batch(0)[0]))
     return out
 
 
-out = {"rank": rank, "world_size": N, "fp32": case(None), "bf16": case({"param_dtype":
-                                                                        torch.bfloat16}),
-       "errors": errors()}
+out = {"rank": rank, "world_size": N, "fp32": case(None),
+       "bf16": case({"param_dtype": torch.bfloat16}), "errors": errors()}
+# set_separate_reduce_scatter_group (Note [a reduce-scatter group of its own]), where this
+# torch has it (2.14; the GPU machine's 2.11 does not): the fp32 case again, on its own group
+if hasattr(torch.distributed.fsdp.FSDPModule, "set_separate_reduce_scatter_group"):
+    out["separate"] = case(None, separate=True)
 finish(out)
