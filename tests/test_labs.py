@@ -162,3 +162,21 @@ def test_hints_are_graded_and_asked_for_one_at_a_time(tmp_path, monkeypatch):
             assert not any(ln in h for ln in code), f"lab {lab_id}: a hint quotes the package"
     with pytest.raises(ValueError, match="lab 00 has hints 1 to 3, not 4"):
         labs.hint("00", 4)
+
+
+def test_nan_for_empty_fills_only_what_nobody_wrote():
+    """Lab 05's and 07's copy-ins run under ``NaNForEmpty``: an uninitialized allocation
+    (empty, new_empty, empty_like) starts as NaN (ints: their largest value), so padding left
+    unwritten differs on every run; zeros and a zero-padding ``_chunk_cat`` stay zero."""
+    import torch
+
+    from minifsdp.labs.uninitialized import NaNForEmpty
+
+    with NaNForEmpty():
+        made = [torch.empty(3), torch.ones(2).new_empty(4), torch.empty_like(torch.ones(2))]
+        ints = torch.empty(2, dtype=torch.int32)
+        zeros = torch.zeros(3)
+        padded = torch._chunk_cat([torch.ones(3), torch.ones(1)], dim=0, num_chunks=2)
+    assert all(t.isnan().all() for t in made)
+    assert ints.tolist() == [torch.iinfo(torch.int32).max] * 2
+    assert zeros.tolist() == [0.0] * 3 and padded.tolist() == [[1, 1, 1], [1, 0, 0]]

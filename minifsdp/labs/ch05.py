@@ -77,6 +77,7 @@ def check_fsdp2_group_wire_bytes(fn, measured: list[tuple] | None = None) -> boo
 
 from minifsdp.labs.report import _generic_hint  # noqa: E402
 from minifsdp.labs.seams import Lab, Seam  # noqa: E402
+from minifsdp.labs.uninitialized import NaNForEmpty  # noqa: E402
 
 LAB_STEPS = 3
 COPY_OUT, COPY_IN = "fsdp2.all_gather_copy_out", "fsdp2.reduce_scatter_copy_in"
@@ -506,7 +507,9 @@ def run_lab(t, info) -> None:
             g = torch.Generator().manual_seed(7 + info.rank)
             grads = [torch.randn(p.orig_size, generator=g) for p in params]
             want = seams.reference(COPY_IN)(group, params, [x.clone() for x in grads], dtype)
-            got = reduce.reduce_scatter_copy_in(group, params, [x.clone() for x in grads], dtype)
+            with NaNForEmpty():  # padding left unwritten shows as NaN, not as luck's zeros
+                got = reduce.reduce_scatter_copy_in(group, params, [x.clone() for x in grads],
+                                                    dtype)
             dt = {torch.float32: "fp32", torch.bfloat16: "bf16"}[dtype]
             t.expect(f"reduce-scatter input ({group.world_size} slots, padding zero, {dt}"
                      + (f", {key}" if key != "fp32" else "")

@@ -8,6 +8,7 @@ accepts a correct solution and rejects a wrong one.
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -63,6 +64,7 @@ def check_mp_group_wire_bytes(fn, measured: list[tuple] | None = None) -> bool:
 # ---- lab 07: the mixed-precision casts ---------------------------------------------------------
 
 from minifsdp.labs.seams import Lab, Seam  # noqa: E402
+from minifsdp.labs.uninitialized import NaNForEmpty  # noqa: E402
 
 COPY_IN, REDUCE_DTYPE, TO_SHARDS = ("fsdp2.all_gather_copy_in", "fsdp2.reduce_dtype",
                                     "fsdp2.grads_to_shards")
@@ -208,9 +210,12 @@ def run_lab(t, info) -> None:
         for name, unit in (("body", m.body), ("narrow", m.narrow), ("root", m)):
             group = unit.fsdp_state.group
             bufs = []
-            for copy_in in (seams.reference(COPY_IN), type(group)._all_gather_copy_in):
+            for mine, copy_in in ((False, seams.reference(COPY_IN)),
+                                  (True, type(group)._all_gather_copy_in)):
                 with comm.logging_comm() as log:
-                    slot, gathered = copy_in(group)
+                    # yours under NaNForEmpty: padding left unwritten shows as NaN, every run
+                    with NaNForEmpty() if mine else contextlib.nullcontext():
+                        slot, gathered = copy_in(group)
                     comm.all_gather_into_tensor(gathered, slot, group.process_group)
                 bufs.append((int(log.total_bytes("all_gather", wire=True)), gathered))
             (want_bytes, want), (got_bytes, got) = bufs

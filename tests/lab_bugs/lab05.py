@@ -47,12 +47,13 @@ def overwrites_saved_tensors_unseen(group, gathered, world):
     torch.split_with_sizes_copy(gathered.view(world, -1), sizes, dim=1, out=outs)
 
 
-def _copy_in(params, grads, n, dtype, slot_of=lambda r: r, chunks=chunk_dim0):
+def _copy_in(params, grads, n, dtype, slot_of=lambda r: r, chunks=chunk_dim0,
+             alloc=torch.Tensor.new_zeros):
     """Note [copy-in and copy-out]'s layout, chunk r of each gradient (``chunks``; right:
     ``chunk_dim0``) into slot ``slot_of(r)`` (right: r), each padded to its padded shard
-    numel."""
+    numel, in a buffer from ``alloc`` (right: zeros)."""
     slot_numel = sum(p.padded_shard_numel for p in params)
-    flat = grads[0].new_zeros(n * slot_numel, dtype=dtype)
+    flat = alloc(grads[0], n * slot_numel, dtype=dtype)
     tag(flat, "comm")
     slots = flat.view(n, slot_numel)
     for r in range(n):
@@ -97,6 +98,15 @@ def lays_out_every_parameter_of_the_group(group, params, grads, dtype):
     parameter has a gradient, but a frozen one (or one unused in this backward) has none, and
     then every slot is too long and later gradients land in earlier parameters' places."""
     return _copy_in(group.fsdp_params, grads, group.world_size, dtype)
+
+
+@replaces("fsdp2.reduce_scatter_copy_in")
+@torch.no_grad()
+def leaves_the_padding_unwritten(group, params, grads, dtype):
+    """Allocates the buffer with ``new_empty`` and writes only the chunks: the padding holds
+    whatever the allocator handed back -- often zeros, so this passed by luck -- and is
+    reduced into the padded rows (Note [padding]: padding is zero)."""
+    return _copy_in(params, grads, group.world_size, dtype, alloc=torch.Tensor.new_empty)
 
 
 @replaces("fsdp2.all_gather_copy_out")
@@ -274,6 +284,9 @@ EXPECTED = {
     "chunk_r_into_the_next_slot": dict(status="diverged", world_sizes=(2,), phase="copy-in",
                                        name="reduce-scatter input (2 slots, padding zero, fp32)",
                                        hint="rank blocks permuted"),
+    "leaves_the_padding_unwritten": dict(status="diverged", world_sizes=(2,), phase="copy-in",
+                                         name="reduce-scatter input (2 slots, padding zero, "
+                                              "fp32)", hint="uninitialised memory"),
     "lays_out_every_parameter_of_the_group": dict(
         status="diverged", world_sizes=(2,), phase="copy-in",
         name="reduce-scatter input (2 slots, padding zero, fp32, only 5 of 6 parameters with a "
