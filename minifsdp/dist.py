@@ -150,8 +150,10 @@ def describe_machine() -> str:
     """
     gpus = visible_gpus()
     forced = os.environ.get("MINIFSDP_BACKEND", "")
+    # sched_getaffinity: the cores this process may use (Linux); cpu_count may not know (None)
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    head = f"this machine: torch {torch.__version__}, {cores} CPU core{'s' * (cores != 1)}, "
+    where = f"{cores} CPU core{'s' * (cores != 1)}" if cores else "CPU cores unknown"
+    head = f"this machine: torch {torch.__version__}, {where}, "
     if forced:
         return head + f"MINIFSDP_BACKEND={forced}: every job runs on {forced}"
     if gpus == 0:

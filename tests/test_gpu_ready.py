@@ -139,6 +139,23 @@ def test_simulated_nodes_get_gpus_of_their_own(monkeypatch):
     assert [launch._gpu_slice(i, 1) for i in range(2)] == ["3", "5"]
 
 
+@pytest.mark.parametrize("affinity, count, says", [({0, 1}, 64, "2 CPU cores"),
+                                                    ({3}, 64, "1 CPU core,"),
+                                                    (None, 8, "8 CPU cores"),
+                                                    (None, None, "CPU cores unknown")])
+def test_the_machine_line_counts_the_cores_this_process_may_use(monkeypatch, affinity, count,
+                                                                 says):
+    monkeypatch.setattr(mdist, "visible_gpus", lambda: 0)
+    monkeypatch.delenv("MINIFSDP_BACKEND", raising=False)
+    if affinity is None:  # as on macOS and Windows: no sched_getaffinity
+        monkeypatch.delattr(mdist.os, "sched_getaffinity", raising=False)
+    else:
+        monkeypatch.setattr(mdist.os, "sched_getaffinity", lambda pid: affinity, raising=False)
+    monkeypatch.setattr(mdist.os, "cpu_count", lambda: count)
+    line = mdist.describe_machine()
+    assert says in line and line.endswith("no GPU: every job runs on CPU with gloo"), line
+
+
 def test_a_bad_backend_name_is_refused():
     with pytest.raises(ValueError, match=r"MINIFSDP_BACKEND='mpi': expected one of gloo, nccl"):
         mdist.choose_backend(2, gpus=0, override="mpi")
