@@ -47,9 +47,17 @@ DEFAULT_ONLY = "blocks.1"  # keeps the default comms
 all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
+def records() -> dict[str, list]:
+    """What a module's comms write down, shared by every module's: ``log`` (allocate: size,
+    dtype; call: numels, dtype, group size), ``async`` (each all-gather's async_op), ``kept``
+    (every buffer allocated, kept alive), ``groups`` (each call's kind and group_label)."""
+    return {"log": [], "async": [], "kept": [], "groups": []}
+
+
 class SelfAllocAllGather(fsdp2.AllGather):
-    def __init__(self, name: str, log: list, flags: list, kept: list, groups: list):
-        self.name, self.log, self.flags, self.kept, self.groups = name, log, flags, kept, groups
+    def __init__(self, name: str, rec: dict[str, list]):
+        self.name, self.log, self.flags = name, rec["log"], rec["async"]
+        self.kept, self.groups = rec["kept"], rec["groups"]
 
     def allocate(self, size, *, dtype, device):
         self.log.append(f"{self.name} AG allocate {tuple(size)} {dtype}")
@@ -66,8 +74,8 @@ class SelfAllocAllGather(fsdp2.AllGather):
 
 
 class AllReduceSlice(fsdp2.ReduceScatter):
-    def __init__(self, name: str, log: list, kept: list, groups: list):
-        self.name, self.log, self.kept, self.groups = name, log, kept, groups
+    def __init__(self, name: str, rec: dict[str, list]):
+        self.name, self.log, self.kept, self.groups = name, rec["log"], rec["kept"], rec["groups"]
 
     def allocate(self, size, *, dtype, device):
         self.log.append(f"{self.name} RS allocate {tuple(size)} {dtype}")
@@ -105,16 +113,14 @@ def shard(model: Pair, theirs: bool, policy: dict | None, custom: bool,
         "mp_policy": (TorchPolicy if theirs else fsdp2.MixedPrecisionPolicy)(**policy)}
     for name in ("emb", "blocks.0", "blocks.1", "head", ""):
         fs(model.get_submodule(name), mesh=mesh, **kw)
-    rec = {"log": [], "async": [], "kept": [], "groups": []}
+    rec = records()
     if separate:
         model.set_separate_reduce_scatter_group()
     if custom:
         for name in ("emb", "blocks.0", "head", ""):  # the root's: not recursive
             m = model.get_submodule(name)
-            m.set_custom_all_gather(SelfAllocAllGather(name or "root", rec["log"], rec["async"],
-                                                       rec["kept"], rec["groups"]))
-            m.set_custom_reduce_scatter(AllReduceSlice(name or "root", rec["log"], rec["kept"],
-                                                       rec["groups"]))
+            m.set_custom_all_gather(SelfAllocAllGather(name or "root", rec))
+            m.set_custom_reduce_scatter(AllReduceSlice(name or "root", rec))
     return rec
 
 
@@ -207,10 +213,10 @@ def errors() -> dict:
             NoAllocate()))
         attempt(f"{side}_not_callable", lambda m=model: m.set_custom_reduce_scatter(object()))
         attempt(f"{side}_swapped", lambda m=model: m.set_custom_all_gather(
-            AllReduceSlice("x", [], [], [])))
+            AllReduceSlice("x", records())))
     model = make()
     fsdp2.fully_shard(model, mesh=mesh)
-    model.set_custom_all_gather(WrongSize("root", [], [], [], []))
+    model.set_custom_all_gather(WrongSize("root", records()))
     attempt("ours_wrong_size", lambda: model(batch(0)[0]))
     return out
 
