@@ -103,9 +103,9 @@ INFRASTRUCTURE: tuple[str, ...] = (
         "train", "strategies", "probes", "gpucheck", "torch_order", "parity",
         "demos/__init__"),
     *_t("test_data", "test_launch", "test_notebook", "test_project", "test_train",
-        "test_strategies", "test_gpu", "test_gpu_ready", "test_labs", "test_lab_bugs",
-        "test_benchmarks", "test_chapters", "exercise_checks", "jobs", "test_torch_order",
-        "test_parity"),
+        "test_strategies", "test_gpu", "test_gpu_ready", "test_labs", "test_lab_bugs_00_05",
+        "test_lab_bugs_06_11", "planted", "test_benchmarks", "test_chapters", "exercise_checks",
+        "jobs", "test_torch_order", "test_parity"),
     *_w("faulty", "torch_order_worker"),
 )
 

@@ -1,7 +1,8 @@
 """The lab checkers judge correctly: the package's own code passes every lab and reaches every
 seam, each untouched skeleton reports "not started" at its TODO, ids agree everywhere, and the
 harness names a bad file before launching anything (STYLE.md: "A checker is trusted only when
-tests show it"). The planted bugs are tested in tests/test_lab_bugs.py.
+tests show it"). The planted bugs are tested in tests/test_lab_bugs_00_05.py and
+tests/test_lab_bugs_06_11.py (tests/planted.py).
 """
 
 from __future__ import annotations

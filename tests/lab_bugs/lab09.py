@@ -1,7 +1,7 @@
 """Lab 09's planted bugs: HSDP reductions a learner plausibly writes (Note [HSDP], Note [HSDP
 accumulation], Note [mixed precision], Note [freeing with resize_]).
 
-Each function replaces the seam (``@replaces``); tests/test_lab_bugs.py checks that the checker
+Each function replaces the seam (``@replaces``); tests/planted.py checks that the checker
 rejects it and points where the bug shows first, at N = 2 (meshes 2 x 1 and 1 x 2: the cheap
 job) except post_divides_before_the_all_reduce (only N = 4 has an fp16 post-factor other than 1)
 and the two divide-factor bugs (only the 2 x 2 mesh has a factor and replicas).

@@ -2,7 +2,7 @@
 stop short (chapter 11's sections; Note [unused parameters in a group], Note [divide factor],
 Note [forward methods]).
 
-Each function replaces the seam (``@replaces``); tests/test_lab_bugs.py checks that the checker
+Each function replaces the seam (``@replaces``); tests/planted.py checks that the checker
 rejects it where it first shows. ``script`` is the reference script with one switch per fix, so
 each bug below differs from the solution in exactly the way its docstring says.
 """
