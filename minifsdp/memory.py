@@ -32,6 +32,9 @@ Note [DTensor]: a ``fully_shard`` model's parameters are ``DTensor``s, wrappers 
 tensor. For an op on DTensors we return ``NotImplemented``: DTensor then runs the op on its
 local tensors, which come back through this mode and are counted. The wrapper owns no memory.
 DTensor's sharding propagation may run ops under a fake mode; those allocate nothing, skip them.
+No DTensor exists before ``torch.distributed.tensor`` is imported, so we look the class up only
+once something has imported it: importing it here would cost every DDP or ZeRO rank about a
+second of CPU at startup (mostly sympy), for a type it never meets.
 
 Note [labels]: categories say *what* memory is for; a label says *whose* it is. A storage
 tagged with ``label="blocks.1"`` is also counted under that name, and every sample then has
@@ -54,6 +57,7 @@ buffers). This path is untested on the CPU-only machine it was written on.
 
 from __future__ import annotations
 
+import sys
 import warnings
 import weakref
 from contextlib import contextmanager
@@ -61,7 +65,6 @@ from functools import partial
 
 import torch
 from torch._guards import active_fake_mode
-from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_leaves
 
@@ -82,6 +85,11 @@ def tag(tensor, category: str, label: str | None = None) -> None:
     """
     for tracker in _ACTIVE:
         tracker.register(tensor, category, label)
+
+
+def _is_dtensor(cls: type) -> bool:
+    dtensor = sys.modules.get("torch.distributed.tensor")  # Note [DTensor]: not imported here
+    return dtensor is not None and issubclass(cls, dtensor.DTensor)
 
 
 def _storages(t: torch.Tensor) -> list[torch.UntypedStorage]:
@@ -220,7 +228,7 @@ class MemoryTracker(TorchDispatchMode):
     # ---- the dispatch mode ---------------------------------------------------------------
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if any(issubclass(t, DTensor) for t in types):
+        if any(_is_dtensor(t) for t in types):
             return NotImplemented  # Note [DTensor]: DTensor calls us back with local tensors
         out = func(*args, **(kwargs or {}))
         if active_fake_mode() is not self._fake_mode:
