@@ -2,7 +2,10 @@
 ("diverged", "crash", "hang") and, where the bug module's ``EXPECTED`` says, the case, checked
 value, step, phase, rank, hint and file:line (STYLE.md: "Assert where the report points").
 Each bug module lists ``EXPECTED[bug] = dict(status, world_sizes, case=..., name=..., hint=...,
-where=...)``; the test runs that bug alone in its seam (``path:bug``) at those world sizes.
+where=...)``; the test runs that bug in its seam (``path:bug``) at those world sizes. The bugs
+expected to diverge run as one batch per lab and world sizes (``labs.check_many``, Note [a batch
+of lab files]): each report is the one ``labs.check`` gives for the bug alone
+(tests/test_labs.py checks that), in one launch instead of 106. Crashes and hangs run alone.
 
 The tests live in two files, tests/test_lab_bugs_00_05.py and tests/test_lab_bugs_06_11.py
 (``HALVES``): each bug is a torchrun job or two, and pytest-xdist's ``--dist loadfile`` runs a
@@ -63,7 +66,10 @@ def planted_bug_is_caught_where_it_shows(lab, bug, want):
     path = BUG_DIR / f"lab{lab}.py"
     doc = inspect.getdoc(getattr(_bug_module(path), bug))
     assert doc, f"{bug}: say which learner's mistake it is, and which Note it breaks"
-    report = labs.check(lab, f"{path}:{bug}", world_sizes=want["world_sizes"], quiet=True)
+    if want["status"] == "diverged":  # one job for the lab's diverging bugs (_batch)
+        report = _batch(lab, tuple(want["world_sizes"]))[bug]
+    else:
+        report = labs.check(lab, f"{path}:{bug}", world_sizes=want["world_sizes"], quiet=True)
     text = str(report)
     assert report.status == want["status"], text
     assert text.startswith(f"✗ lab {lab} · "), text
@@ -75,6 +81,23 @@ def planted_bug_is_caught_where_it_shows(lab, bug, want):
         assert want["hint"] in text, text
     if "where" in want:
         assert report.where and report.where.endswith(want["where"]), text
+
+
+_BATCHES: dict[tuple[str, tuple[int, ...]], dict[str, labs.Report]] = {}
+
+
+def _batch(lab: str, world_sizes: tuple[int, ...]) -> dict[str, labs.Report]:
+    """The reports of every planted bug of ``lab`` expected to diverge at ``world_sizes``,
+    from ``labs.check_many`` (one job, not one per bug), computed once per test process."""
+    key = (lab, world_sizes)
+    if key not in _BATCHES:
+        path = BUG_DIR / f"lab{lab}.py"
+        bugs = [bug for bug, want in _bug_module(path).EXPECTED.items()
+                if want["status"] == "diverged" and tuple(want["world_sizes"]) == world_sizes]
+        reports = labs.check_many(lab, [f"{path}:{bug}" for bug in bugs],
+                                  world_sizes=world_sizes)
+        _BATCHES[key] = dict(zip(bugs, reports, strict=True))
+    return _BATCHES[key]
 
 
 def _bug_module(path: Path):

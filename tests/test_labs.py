@@ -67,6 +67,25 @@ def test_reference_passes_and_reaches_every_seam(lab):
     assert all(report.calls[s.name] > 0 for s in seams.get_lab(lab).seams), report.calls
 
 
+def test_check_many_reports_what_check_reports(tmp_path):
+    """labs.check_many (Note [a batch of lab files]) gives each file the report labs.check
+    gives it alone: a pass, a divergence, a bad file, and, when one file crashes the batch's
+    job, the crash and its neighbour's divergence from their own jobs."""
+    bugs = ROOT / "tests/lab_bugs/lab00.py"
+    bad = tmp_path / "lab00_ring.py"
+    bad.write_text("def ring_reduce_scatter(output, input, op=None, group=None):\n    pass\n")
+    files = ["reference", f"{bugs}:avg_never_divided", bad, f"{bugs}:sums_into_the_input"]
+    many = labs.check_many("00", files, world_sizes=(2,))
+    alone = [labs.check("00", f, world_sizes=(2,), quiet=True) for f in files]
+    assert [r.status for r in many] == ["pass", "diverged", "bad file", "diverged"]
+    for m, a in zip(many, alone, strict=True):
+        assert (str(m), m.calls) == (str(a), a.calls)
+    crash = f"{bugs}:copies_the_input_unflattened"
+    many = labs.check_many("00", [f"{bugs}:avg_never_divided", crash], world_sizes=(2,))
+    assert [r.status for r in many] == ["diverged", "crash"], "\n".join(map(str, many))
+    assert many[1].where.endswith("lab00.py:124") and str(many[0]) == str(alone[1])
+
+
 @pytest.mark.parametrize("lab", seams.LAB_IDS)
 def test_untouched_skeleton_is_not_started(lab):
     spec = seams.get_lab(lab)

@@ -29,7 +29,7 @@ from minifsdp.labs.report import Report, diverged, frames_in, last_exception
 from minifsdp.labs.seams import LAB_IDS, REFERENCE, LabFileError, get_lab
 from minifsdp.launch import WorkerError, WorkerTimeout, repo_root, torchrun
 
-__all__ = ["LAB_IDS", "Report", "check", "get_lab", "hint", "start", "your_file"]
+__all__ = ["LAB_IDS", "Report", "check", "check_many", "get_lab", "hint", "start", "your_file"]
 
 
 def your_file(lab_id: str) -> Path:
@@ -127,41 +127,83 @@ def _resolve(lab: seams.Lab, path: str | os.PathLike | None) -> str:
     return str(full) + (f":{name}" if sep else "")
 
 
+def check_many(lab_id: str, paths: list[str], *, world_sizes: tuple[int, ...] | None = None,
+               timeout: float = 120.0) -> list[Report]:
+    """``check(lab_id, p, world_sizes=world_sizes, quiet=True)`` for each of ``paths``, in one
+    torchrun job per world size for all of them (Note [a batch of lab files] in
+    ``minifsdp/labs/worker.py``). A job that crashes or hangs cannot say which file did it:
+    the files it held are then checked one at a time, so every report is the one ``check``
+    gives.
+
+    Example:
+        >>> [r.status for r in check_many("00", ["reference", "reference"])]  # doctest: +SKIP
+        ['pass', 'pass']
+    """
+    lab = get_lab(lab_id)
+    specs = [_resolve(lab, p) for p in paths]
+    return _check_all(lab, specs, world_sizes or lab.world_sizes, timeout)
+
+
 def _check(lab: seams.Lab, spec: str, world_sizes: tuple[int, ...], timeout: float) -> Report:
+    return _check_all(lab, [spec], world_sizes, timeout)[0]
+
+
+def _check_all(lab: seams.Lab, specs: list[str], world_sizes: tuple[int, ...],
+               timeout: float) -> list[Report]:
     head = f"lab {lab.id} · {lab.title}"
-    try:
-        seams.load(lab, spec)  # a missing function or a syntax error: say so before launching
-    except LabFileError as e:
-        return Report(lab.id, lab.title, "bad file", [f"✗ {head}: {_strip_root(str(e))}"])
-    file_name = Path(spec.split(":")[0]).name if spec != REFERENCE else None
-    done: list[str] = []
-    total = 0
-    calls: dict[str, int] = {}
+    reports: dict[int, Report] = {}
+    for i, spec in enumerate(specs):
+        try:
+            seams.load(lab, spec)  # a missing function or a syntax error: say so before launching
+        except LabFileError as e:
+            reports[i] = Report(lab.id, lab.title, "bad file",
+                                [f"✗ {head}: {_strip_root(str(e))}"])
+    pending = [i for i in range(len(specs)) if i not in reports]
+    done: dict[int, list[str]] = {i: [] for i in pending}
+    total = dict.fromkeys(pending, 0)
+    calls: dict[int, dict[str, int]] = {i: {} for i in pending}
     for n in world_sizes:
+        if not pending:
+            break
         name = f"lab{lab.id}_n{n}_{os.getpid()}"
         try:
             run = torchrun("minifsdp.labs.worker", lab.id, nproc=n, name=name, chapter="labs",
-                           timeout=timeout, progress=False,
-                           env={"MINIFSDP_LAB_FILE": spec, "MINIFSDP_BACKEND": "gloo"})
-        except WorkerTimeout as e:
-            return _hang(lab, head, n, e.logs, file_name, timeout)
-        except WorkerError as e:
-            return _failed(lab, head, n, e, file_name)
+                           timeout=timeout * len(pending), progress=False,
+                           env={"MINIFSDP_LAB_FILE": "\n".join(specs[i] for i in pending),
+                                "MINIFSDP_BACKEND": "gloo"})
+        except (WorkerTimeout, WorkerError) as e:
+            if len(pending) > 1:  # which file did it? Check each alone
+                for i in pending:
+                    reports[i] = _check(lab, specs[i], world_sizes, timeout)
+            else:
+                i = pending[0]
+                file_name = Path(specs[i].split(":")[0]).name if specs[i] != REFERENCE else None
+                reports[i] = (_hang(lab, head, n, e.logs, file_name, timeout)
+                              if isinstance(e, WorkerTimeout)
+                              else _failed(lab, head, n, e, file_name))
+            return [reports[i] for i in range(len(specs))]
         shutil.rmtree(run.out_dir, ignore_errors=True)
-        firsts = [r["first"] for r in run.ranks if r and r["first"]]
-        if firsts:
-            first = min(firsts, key=lambda f: (f["seq"], f["rank"]))
-            before = "; ".join(done + [f"N = {n}: {first['matched']} checks"])
-            return diverged(lab, n, first, before)
-        for seam, count in run.ranks[0]["calls"].items():
-            calls[seam] = calls.get(seam, 0) + count
-        checks = run.ranks[0]["checks"]
-        total += checks
-        done.append(f"N = {n} ({checks} checks)")
+        still = []
+        for k, i in enumerate(pending):
+            ranks = [r["files"][k] for r in run.ranks if r]
+            firsts = [r["first"] for r in ranks if r["first"]]
+            if firsts:
+                first = min(firsts, key=lambda f: (f["seq"], f["rank"]))
+                before = "; ".join(done[i] + [f"N = {n}: {first['matched']} checks"])
+                reports[i] = diverged(lab, n, first, before)
+                continue
+            for seam, count in ranks[0]["calls"].items():
+                calls[i][seam] = calls[i].get(seam, 0) + count
+            total[i] += ranks[0]["checks"]
+            done[i].append(f"N = {n} ({ranks[0]['checks']} checks)")
+            still.append(i)
+        pending = still
     sizes = " and ".join(str(n) for n in world_sizes)
-    return Report(lab.id, lab.title, "pass",
-                  [f"✓ {head}: all {total} checks equal {lab.oracle} bit for bit at N = {sizes}"],
-                  calls=calls)
+    for i in pending:
+        reports[i] = Report(lab.id, lab.title, "pass", [
+            f"✓ {head}: all {total[i]} checks equal {lab.oracle} bit for bit at N = {sizes}"],
+            calls=calls[i])
+    return [reports[i] for i in range(len(specs))]
 
 
 def _failed(lab: seams.Lab, head: str, n: int, e: WorkerError, file_name: str | None) -> Report:

@@ -176,20 +176,32 @@ def _skeleton_module(lab: Lab) -> Any:
 
 CALLS: dict[str, int] = {}
 _REFERENCE: dict[str, Callable] = {}
+_ORIGINAL: dict[str, tuple[Any, str, Any]] = {}  # seam -> (owner, attr, what install replaced)
 
 
 def install(lab: Lab, spec: str | None = None) -> None:
     """Put the functions of ``spec`` (default: ``$MINIFSDP_LAB_FILE``) into ``lab``'s seams,
-    each wrapped in a call counter; remember the reference functions (``reference``)."""
+    each wrapped in a call counter; remember the reference functions (``reference``).
+    ``uninstall`` puts the package's own functions back."""
     spec = spec or os.environ.get("MINIFSDP_LAB_FILE", REFERENCE)
+    uninstall(lab)
     chosen = load(lab, spec)
     for s in lab.seams:
         owner, attr = s.target()
         original = inspect.getattr_static(owner, attr)
+        _ORIGINAL[s.name] = (owner, attr, original)
         _REFERENCE[s.name] = getattr(owner, attr)
         fn = chosen.get(s.name, original)
         setattr(owner, attr, _counted(s.name, fn))
         CALLS[s.name] = 0
+
+
+def uninstall(lab: Lab) -> None:
+    """Undo ``install``: every seam of ``lab`` holds the package's own function again."""
+    for s in lab.seams:
+        if s.name in _ORIGINAL:
+            owner, attr, original = _ORIGINAL.pop(s.name)
+            setattr(owner, attr, original)
 
 
 def reference(seam_name: str) -> Callable:
