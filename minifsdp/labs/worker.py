@@ -46,11 +46,10 @@ def main(argv: list[str]) -> None:
     info = dist_setup()
     specs = os.environ.get("MINIFSDP_LAB_FILE", seams.REFERENCE).split("\n")
     results = []
-    for i, spec in enumerate(specs):  # Note [a batch of lab files]
+    for spec in specs:  # Note [a batch of lab files]
         seams.install(lab, spec)
         dist.barrier()  # every rank is here: from now on a wait longer than a few seconds is a bug
-        if i == 0:
-            heartbeat.set_timeout(float(os.environ.get("MINIFSDP_LAB_TIMEOUT", LAB_TIMEOUT_S)))
+        heartbeat.set_timeout(float(os.environ.get("MINIFSDP_LAB_TIMEOUT", LAB_TIMEOUT_S)))
         heartbeat.arm(float(os.environ.get("MINIFSDP_LAB_WATCHDOG", WATCHDOG_S)))
         seed_everything(0)
         trace = Trace(info.rank, info.world_size, lab.hint)
