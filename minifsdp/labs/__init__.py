@@ -200,6 +200,13 @@ def _check_all(lab: seams.Lab, specs: list[str], world_sizes: tuple[int, ...],
         pending = still
     sizes = " and ".join(str(n) for n in world_sizes)
     for i in pending:
+        never = [s.name for s in lab.seams if not calls[i].get(s.name)]
+        if never:  # nothing judged that code: not a pass (and not the reader's fault)
+            reports[i] = Report(lab.id, lab.title, "harness error", [
+                f"✗ {head}: no case called the seam(s) {', '.join(never)}, so the checker "
+                "cannot judge them: a bug in the lab's harness, not in your code"],
+                calls=calls[i])
+            continue
         reports[i] = Report(lab.id, lab.title, "pass", [
             f"✓ {head}: all {total[i]} checks equal {lab.oracle} bit for bit at N = {sizes}"],
             calls=calls[i])

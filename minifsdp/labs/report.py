@@ -191,7 +191,8 @@ class Divergence:
 @dataclass
 class Report:
     """The verdict of one ``labs.check``. ``status`` is one of ``pass``, ``not started``,
-    ``diverged``, ``crash``, ``hang``, ``bad file``; ``str(report)`` is what the reader sees."""
+    ``diverged``, ``crash``, ``hang``, ``bad file``, ``harness error`` (every check matched but
+    some seam was never called); ``str(report)`` is what the reader sees."""
 
     lab: str
     title: str
