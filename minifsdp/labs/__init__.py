@@ -201,10 +201,11 @@ def _check_all(lab: seams.Lab, specs: list[str], world_sizes: tuple[int, ...],
     sizes = " and ".join(str(n) for n in world_sizes)
     for i in pending:
         never = [s.name for s in lab.seams if not calls[i].get(s.name)]
-        if never:  # nothing judged that code: not a pass (and not the reader's fault)
+        if never:  # nothing judged that code: not a pass
             reports[i] = Report(lab.id, lab.title, "harness error", [
-                f"✗ {head}: no case called the seam(s) {', '.join(never)}, so the checker "
-                "cannot judge them: a bug in the lab's harness, not in your code"],
+                f"✗ {head}: every check matched, but no case called the seam(s) "
+                f"{', '.join(never)}, so nothing judged that code. Does your code call it "
+                "where the package's does? If so, this is a bug in the lab's harness"],
                 calls=calls[i])
             continue
         reports[i] = Report(lab.id, lab.title, "pass", [
