@@ -105,3 +105,63 @@ def test_verified_file_changed_later_is_checked_again(mnist_copy):
     raw.write_bytes(bytes(data))  # same size, new mtime: the stamp no longer vouches for it
     with pytest.raises(ValueError, match=r"t10k-labels-idx1-ubyte\.gz failed its checksum"):
         prepare_mnist(mnist_copy)
+
+
+def _markov_sampled_afresh(vocab_size, seq_len, num_seqs, branching, seed):
+    """The corpus as MarkovTokens sampled it before it had a cache: the oracle for the cache."""
+    g = torch.Generator().manual_seed(seed)
+    succ = torch.stack([torch.randperm(vocab_size, generator=g)[:branching]
+                        for _ in range(vocab_size)])
+    w = torch.rand(vocab_size, branching, generator=g) + 0.1
+    P = torch.zeros(vocab_size, vocab_size, dtype=torch.float64)
+    P.scatter_(1, succ, (w / w.sum(1, keepdim=True)).double())
+    seqs = torch.empty(num_seqs, seq_len + 1, dtype=torch.long)
+    seqs[:, 0] = torch.randint(vocab_size, (num_seqs,), generator=g)
+    for t in range(seq_len):
+        seqs[:, t + 1] = torch.multinomial(P[seqs[:, t]], 1, generator=g).squeeze(1)
+    return seqs
+
+
+def test_cached_tokens_are_the_tokens_sampled_afresh(tmp_path):
+    """Note [a cached corpus]: a cold cache, a warm one, a damaged file and a file of another
+    corpus all give the sequences sampled afresh, and a bad file is replaced."""
+    args = dict(vocab_size=32, seq_len=8, num_seqs=64, branching=3, seed=7)
+    want = _markov_sampled_afresh(**args)
+    cold = MarkovTokens(**args, cache=tmp_path).seqs
+    (path,) = tmp_path.glob("markov-*.pt")
+    assert torch.equal(cold, want) and torch.equal(torch.load(path), want)
+    assert torch.equal(MarkovTokens(**args, cache=tmp_path).seqs, want)  # warm: loaded
+    path.write_bytes(path.read_bytes()[:100])  # truncated
+    assert torch.equal(MarkovTokens(**args, cache=tmp_path).seqs, want)
+    assert torch.equal(torch.load(path), want)  # replaced
+    other = want.clone()
+    other[:, 1] = (other[:, 1] + 1) % 32  # begins differently: not this generator's draws
+    torch.save(other, path)
+    assert torch.equal(MarkovTokens(**args, cache=tmp_path).seqs, want)
+    other = want.clone()
+    other[:, 5] = (other[:, 5] + 1) % 32  # differs later: the check cannot see it...
+    torch.save(other, path)
+    assert torch.equal(MarkovTokens(**args, cache=tmp_path).seqs, other)  # ...so it is trusted
+    assert not list(tmp_path.glob(".*tmp"))  # no half-written file left
+
+
+def test_our_idx_reader_gives_torchvisions_mnist():
+    from torchvision.datasets import MNIST
+
+    for train in (True, False):
+        ours, theirs = mnist(train=train), MNIST(str(prepare_mnist()), train=train, download=False)
+        images = (theirs.data.unsqueeze(1).float() / 255.0 - 0.1307) / 0.3081
+        assert torch.equal(ours.tensors[0], images) and torch.equal(ours.tensors[1], theirs.targets)
+        assert ours.tensors[1].dtype == theirs.targets.dtype == torch.int64
+
+
+def test_a_damaged_idx_header_is_named(tmp_path):
+    from minifsdp.data import read_idx
+
+    src = prepare_mnist() / "MNIST" / "raw" / "t10k-labels-idx1-ubyte"
+    bad = tmp_path / "labels"
+    bad.write_bytes(src.read_bytes()[:-3])
+    with pytest.raises(ValueError, match=r"labels: header says \[10000\]"):
+        read_idx(bad, 1)
+    with pytest.raises(ValueError, match="labels is not an IDX file of unsigned bytes with 3"):
+        read_idx(bad, 3)

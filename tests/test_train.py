@@ -2,7 +2,7 @@
 process fed the same global batches (Note [same global batch]), and bad arguments fail with
 an error that says what is wrong.
 
-A launch costs 8-15 s on 2 cores, mostly importing torch and torchvision, during which a
+A launch costs 8-15 s on 2 cores, mostly importing torch in torchrun and every rank, while a
 core is often idle. Each test declares the jobs it reads (tests/jobs.py), and the fixture
 ``launched`` (tests/conftest.py) therefore starts every job the selected tests need,
 ``PARALLEL`` at a time (10 jobs: ~60 s instead of ~120 s), and each test waits for the ones
