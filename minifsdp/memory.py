@@ -65,7 +65,7 @@ from functools import partial
 
 import torch
 from torch._guards import active_fake_mode
-from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass_type
 from torch.utils._pytree import tree_leaves
 
 CATEGORIES = ("params", "grads", "optimizer", "activations", "comm", "other")
@@ -92,15 +92,27 @@ def _is_dtensor(cls: type) -> bool:
     return dtensor is not None and issubclass(cls, dtensor.DTensor)
 
 
+_WRAPPER: dict[type, bool] = {}  # tensor type -> is it a wrapper subclass (a DTensor)?
+
+
 def _storages(t: torch.Tensor) -> list[torch.UntypedStorage]:
     """The storages holding ``t``'s data: its own, or its inner tensors' for a DTensor."""
-    if is_traceable_wrapper_subclass(t):
+    # Called for every tensor of every op while tracking: the type's answer is looked up once.
+    wrapper = _WRAPPER.get(type(t))
+    if wrapper is None:
+        wrapper = _WRAPPER[type(t)] = is_traceable_wrapper_subclass_type(type(t))
+    if wrapper:
         inner = (getattr(t, name) for name in t.__tensor_flatten__()[0])
         return [s for x in inner if isinstance(x, torch.Tensor) for s in _storages(x)]
     return [t.untyped_storage()] if t.layout == torch.strided else []
 
 
 def _tensors(tree) -> list[torch.Tensor]:
+    """The tensors in ``tree`` in pytree order; a tensor, list or tuple without the pytree walk."""
+    if isinstance(tree, torch.Tensor):
+        return [tree]
+    if type(tree) in (list, tuple):
+        return [t for x in tree for t in _tensors(x)]
     return [t for t in tree_leaves(tree) if isinstance(t, torch.Tensor)]
 
 
@@ -149,6 +161,7 @@ class MemoryTracker(TorchDispatchMode):
         self._module_stack: list[str] = []
         self._caller: dict[str, str | None] = {}  # module name -> the module that called it
         self._module_roots: list[torch.nn.Module] = []  # from `track_modules`
+        self._modules: list[torch.nn.Module] | None = None  # the model's, taken on first use
         self._in_optimizer = self._state_pending = False
         self._handles, self._events = [], 0
         self.timeline: list[dict] = []
@@ -160,24 +173,26 @@ class MemoryTracker(TorchDispatchMode):
         """Count ``st`` if new, else refresh its size; if ``force``, move it to ``category``.
 
         Returns whether any count changed."""
-        entry = self._live.get(id(st))
+        key = id(st)
+        entry = self._live.get(key)
         if entry is None:
             dev = st.device
             if dev.type != self.device.type or self.device.index not in (None, dev.index):
                 return False
-            ref = weakref.ref(st, partial(self._on_free, id(st)))
-            entry = self._live[id(st)] = [ref, 0, category]
-        before, nbytes = entry[1:], st.nbytes()
+            ref = weakref.ref(st, partial(self._on_free, key))
+            entry = self._live[key] = [ref, 0, category]
+        nbytes, old_bytes, old_category = st.nbytes(), entry[1], entry[2]
         if self.device.type == "cuda":
             nbytes = -(-nbytes // 512) * 512  # Note [CUDA]
-        if force:
-            entry[2] = category
-        self._bytes[before[1]] -= before[0]
-        self._bytes[entry[2]] += nbytes
-        if id(st) in self._labels:
-            self._label_bytes[self._labels[id(st)]] += nbytes - before[0]
-        entry[1] = nbytes
-        return entry[1:] != before
+        new_category = category if force else old_category
+        if nbytes == old_bytes and new_category == old_category:
+            return False  # the common case: a rescan finding what it found last time
+        entry[1], entry[2] = nbytes, new_category
+        self._bytes[old_category] -= old_bytes
+        self._bytes[new_category] += nbytes
+        if key in self._labels:
+            self._label_bytes[self._labels[key]] += nbytes - old_bytes
+        return True
 
     def _on_free(self, key: int, ref: weakref.ref) -> None:
         entry = self._live.get(key)  # Python calls this as the storage dies
@@ -218,12 +233,26 @@ class MemoryTracker(TorchDispatchMode):
     def _rescan(self) -> None:
         """Re-find params, grads and optimizer state (Note [categories])."""
         if self.model is not None:
-            for t in (*self.model.parameters(), *self.model.buffers()):
+            for t in self._model_tensors():
                 self.register(t, "params")
                 if t.grad is not None:
                     self.register(t.grad, "grads")
         if self.optimizer is not None:
             self.register([list(s.values()) for s in self.optimizer.state.values()], "optimizer")
+
+    def _model_tensors(self):
+        """``(*model.parameters(), *model.buffers())``, in that order, without walking the
+        module tree again: a rescan runs at every module boundary, and the tree does not
+        change while the tracker is active (FSDP swaps *parameters*, read afresh here)."""
+        if self._modules is None:
+            self._modules = list(self.model.modules())
+        for attr in ("_parameters", "_buffers"):
+            seen = set()
+            for module in self._modules:
+                for t in getattr(module, attr).values():
+                    if t is not None and id(t) not in seen:
+                        seen.add(id(t))
+                        yield t
 
     # ---- the dispatch mode ---------------------------------------------------------------
 
@@ -374,6 +403,7 @@ class MemoryTracker(TorchDispatchMode):
 
     def __enter__(self):
         self._fake_mode = active_fake_mode()
+        self._modules = None  # taken afresh each time the tracker is entered
         _ACTIVE.append(self)
         if self.model is not None:
             # A post-accumulate-grad hook names a grad the moment it lands in `p.grad`, so the
