@@ -18,7 +18,7 @@ in closed form (the chain's entropy rate), so a loss curve can be judged against
 
 Note [a cached corpus]: sampling the chain draws one exponential per (sequence, vocabulary entry)
 at every position (``torch.multinomial``'s one-sample path is an argmax of p / Exp(1)): 2 s of
-CPU for the default 4096 sequences x 512 tokens x 32 positions, in every rank of every job. The
+CPU for the chapters' 4096 sequences x 512 tokens x 32 positions, in every rank of every job. The
 sequences are a pure function of the arguments, so the first job saves them to
 ``data/cache/`` (git-ignored) and later ones load them. A cached file is trusted only if its
 first two positions equal ones sampled afresh from the same generator (one position's draws,
@@ -188,17 +188,20 @@ class MarkovTokens(Dataset):
         self.P.scatter_(1, succ, (w / w.sum(1, keepdim=True)).double())
         seqs = torch.empty(num_seqs, seq_len + 1, dtype=torch.long)
         seqs[:, 0] = torch.randint(vocab_size, (num_seqs,), generator=g)
+
+        def sample(positions: range) -> None:  # each next token from its row of P, in order
+            for t in positions:
+                seqs[:, t + 1] = torch.multinomial(self.P[seqs[:, t]], 1, generator=g).squeeze(1)
+
         fresh = min(1, seq_len)  # positions sampled afresh: the cache's check
-        for t in range(fresh):
-            seqs[:, t + 1] = torch.multinomial(self.P[seqs[:, t]], 1, generator=g).squeeze(1)
+        sample(range(fresh))
         # Note [a cached corpus]
         name = re.sub(r"[^\w.-]", "_", f"markov-{vocab_size}-{seq_len}-{num_seqs}-{branching}"
                                         f"-{seed}-torch{torch.__version__}.pt")
         path = (cache or data_root() / "cache") / name
         cached = _load_tokens(path, seqs[:, :fresh + 1], seqs.shape)
         if cached is None:
-            for t in range(fresh, seq_len):
-                seqs[:, t + 1] = torch.multinomial(self.P[seqs[:, t]], 1, generator=g).squeeze(1)
+            sample(range(fresh, seq_len))
             _save_tokens(path, seqs)
         self.seqs = seqs if cached is None else cached
 
