@@ -99,10 +99,10 @@ CHAPTERS: dict[str, Chapter] = {c.id: c for c in [
 
 # what every chapter uses and none teaches alone
 INFRASTRUCTURE: tuple[str, ...] = (
-    *_m("__init__", "chapters", "data", "dist", "launch", "models", "notebook", "plot",
+    *_m("__init__", "chapters", "data", "dist", "launch", "sweep", "models", "notebook", "plot",
         "train", "strategies", "probes", "gpucheck", "torch_order", "parity",
         "demos/__init__"),
-    *_t("test_data", "test_launch", "test_notebook", "test_project", "test_train",
+    *_t("test_data", "test_launch", "test_sweep", "test_notebook", "test_project", "test_train",
         "test_strategies", "test_gpu", "test_gpu_ready", "test_labs", "test_lab_bugs_00_05",
         "test_lab_bugs_06_11", "planted", "test_benchmarks", "test_chapters", "exercise_checks",
         "jobs", "test_torch_order", "test_parity"),

@@ -282,6 +282,7 @@ def print0(*args: Any, **kwargs: Any) -> None:
 
 
 PROGRESS_TAG = "@minifsdp-progress "
+RUN_TAG = PROGRESS_TAG + "run "  # a sweep's next run starts: "<tag>NAME" (minifsdp.sweep)
 
 
 def report_progress(step: int, total: int, **metrics: float) -> None:

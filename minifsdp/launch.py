@@ -65,7 +65,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from minifsdp.dist import PROGRESS_TAG, BackendChoice, choose_backend
+from minifsdp.dist import PROGRESS_TAG, RUN_TAG, BackendChoice, choose_backend
 
 
 class WorkerError(RuntimeError):
@@ -158,11 +158,15 @@ def torchrun_all(jobs: dict[str, tuple[str, int, tuple]], *, parallel: int = 2,
     """Run several torchrun jobs, ``parallel`` at a time; return their results by name.
 
     Args:
-        jobs: ``name -> (target, nproc, args)``; each becomes ``torchrun(target, *args,
-            nproc=nproc, name=name, **options)``.
-        parallel: jobs at once. A launch spends most of its wall time starting processes
-            (every rank imports torch) while cores wait on the rendezvous, so two jobs at once
-            finish sooner than one after the other on 2 cores.
+        jobs: ``name -> (target, nproc, args)``; each is ``torchrun(target, *args,
+            nproc=nproc, name=name, **options)``, except that the ``minifsdp.train`` jobs of
+            one ``nproc`` run one after another in a single torchrun job, which pays torch's
+            start-up once (``minifsdp.sweep``, Note [a sweep of runs]). Each still gets its
+            own ``RunResult`` and directory, the same bit for bit; if the sweep fails, each of
+            its jobs runs alone, so an error is the failing job's own.
+        parallel: launches at once. A launch spends much of its wall time starting processes
+            (every rank imports torch) while cores wait on the rendezvous, so two launches at
+            once finish sooner than one after the other on 2 cores.
 
     Memory measured by ``MemoryTracker`` counts tensors and does not depend on what else runs;
     *times* do: time things in a job of their own. The first failing job's ``WorkerError``
@@ -175,16 +179,15 @@ def torchrun_all(jobs: dict[str, tuple[str, int, tuple]], *, parallel: int = 2,
     """
     from concurrent.futures import ThreadPoolExecutor
 
-    order = sorted(jobs, key=lambda k: -jobs[k][1])  # big jobs first: less idle tail
+    from minifsdp.sweep import submit_all
+
     with ThreadPoolExecutor(parallel) as pool:
-        futures = {k: pool.submit(torchrun, jobs[k][0], *jobs[k][2], nproc=jobs[k][1], name=k,
-                                  **options) for k in order}
+        futures = submit_all(pool, jobs, **options)
         try:
-            results = {k: futures[k].result() for k in order}
+            return {k: futures[k].result() for k in jobs}
         except BaseException:
             pool.shutdown(cancel_futures=True)
             raise
-    return {k: results[k] for k in jobs}
 
 
 def torchrun_multinode(
@@ -556,7 +559,10 @@ class _ProgressBar:
         complete = chunk[: chunk.rfind(b"\n") + 1]  # only whole lines
         self.pos += len(complete)
         for line in complete.decode(errors="replace").splitlines():
-            if line.startswith(PROGRESS_TAG):
+            if line.startswith(RUN_TAG):  # a sweep's next run: a bar of its own
+                self.close_bar()
+                self.name = line[len(RUN_TAG):].strip()
+            elif line.startswith(PROGRESS_TAG):
                 info = json.loads(line[len(PROGRESS_TAG):])
                 if self.bar is None:
                     from tqdm import tqdm
@@ -572,8 +578,12 @@ class _ProgressBar:
 
     def close(self) -> None:
         self.update()
+        self.close_bar()
+
+    def close_bar(self) -> None:
         if self.bar is not None:
             self.bar.close()
+            self.bar = None
 
 
 class _NotebookLine:

@@ -327,6 +327,21 @@ def global_mean(t: torch.Tensor, info: DistInfo) -> float:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     info = dist_setup()
+    finish(run(args, info))
+
+
+def run(args: argparse.Namespace, info: DistInfo) -> dict:
+    """One training run, as ``parse_args(argv)`` describes it, in the process group ``info``
+    set up; returns this rank's results (what ``rank{r}.json`` holds). ``--save-params`` and
+    checkpoints go to ``minifsdp.dist.results_dir()``. ``main`` runs it once per job;
+    ``minifsdp.sweep`` runs several, one after another, in one job (Note [a sweep of runs]).
+
+    Example (inside a torchrun worker)::
+
+        info = dist_setup()
+        results = run(parse_args(["--strategy", "fsdp2", "--model", "gpt", "--steps", 2]), info)
+        results["losses"]          # [global loss of step 1, of step 2]
+    """
     seed_everything(args.seed)  # same init on every rank
     model = make_model(args).to(info.device)
     n_params = count_params(model)
@@ -385,7 +400,7 @@ def main(argv: list[str] | None = None) -> None:
         results.update(evaluate(model, info, args.eval_samples))
     if args.save_params:
         save_full_params(model, info)
-    finish(results)
+    return results
 
 
 if __name__ == "__main__":

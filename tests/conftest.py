@@ -4,9 +4,11 @@ A launch costs 6-15 s on 2 cores, mostly start-up during which a core idles. The
 module that uses ``launched`` declare the jobs they read beside themselves (``tests/jobs.py``:
 a ``launches`` mark on a test, ``fixture_of`` on a fixture), and the fixture starts every job
 the *selected* tests need, ``PARALLEL`` at a time, before the first test runs; each test then
-waits only for the jobs it reads. The module may set:
+waits only for the jobs it reads. Its ``minifsdp.train`` jobs of one world size run one after
+another in one launch (``minifsdp.sweep``, Note [a sweep of runs]), which pays torch's start-up
+once; a job that fails there is run again alone. The module may set:
 
-    PARALLEL (default 2)                jobs at once
+    PARALLEL (default 2)                launches at once
     JOB_PREFIX (default: its name without test_, then _)   run names: runs/tests/<prefix><name>
     LAUNCH_OPTIONS                      extra keyword arguments for ``torchrun``
 """
@@ -17,7 +19,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import pytest
 from jobs import Job, declared
 
-from minifsdp.launch import torchrun
+from minifsdp.sweep import submit_all
 
 GLOO = {"MINIFSDP_BACKEND": "gloo"}  # CPU collectives, also on a machine with GPUs
 
@@ -71,10 +73,11 @@ def launched(request) -> dict[Job, Future]:
     prefix = getattr(mod, "JOB_PREFIX", mod.__name__.removeprefix("test_") + "_")
     options = {"timeout": 300, "env": GLOO, **getattr(mod, "LAUNCH_OPTIONS", {})}
     with ThreadPoolExecutor(getattr(mod, "PARALLEL", 2)) as pool:
+        # the minifsdp.train jobs of one world size share a launch (Note [a sweep of runs])
+        by_name = submit_all(pool, {prefix + job.name: (job.target, job.nproc, job.args)
+                                    for job in wanted}, chapter="tests", **options)
         futures = Launched(mod.__name__)
-        for job in sorted(wanted, key=lambda j: -j.nproc):  # big jobs first: less idle tail
-            futures[job] = pool.submit(torchrun, job.target, *job.args, nproc=job.nproc,
-                                       chapter="tests", name=prefix + job.name, **options)
+        futures.update({job: by_name[prefix + job.name] for job in wanted})
         yield futures
         pool.shutdown(cancel_futures=True)  # a run cut short (-x, Ctrl-C) starts no more
 
