@@ -23,7 +23,7 @@ another fixture)::
     def runs(launched):
         return {2: launched[N2].result().ranks, 3: launched[N3].result().ranks}
 
-``PARALLEL`` (jobs at once, default 2) and ``LAUNCH_OPTIONS`` (more ``torchrun`` keyword
+``PARALLEL`` (launches at once, default 2) and ``LAUNCH_OPTIONS`` (more ``torchrun`` keyword
 arguments) stay module attributes: they are the module's, not a test's.
 """
 

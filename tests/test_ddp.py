@@ -41,7 +41,7 @@ from minifsdp import parity
 from minifsdp.ddp import FINAL_SPAN
 from minifsdp.launch import RunResult
 
-PARALLEL = 3  # torchrun jobs at once: 3 keeps 2 cores busy through start-up gaps
+PARALLEL = 3  # launches at once (a sweep of train runs is one launch)
 LAUNCH_OPTIONS = {"pg_timeout": 60}
 WORKER = str(Path(__file__).parent / "workers" / "ddp_worker.py")
 STEPS, GLOBAL_BATCH, CAP_MB = 3, 24, 0.05  # 24 splits over 1-4 ranks; 0.05 MiB: 3 buckets

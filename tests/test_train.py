@@ -18,7 +18,7 @@ from jobs import Job
 from minifsdp import parity
 from minifsdp.launch import RunResult, WorkerError
 
-PARALLEL = 2  # torchrun jobs at once; 1 runs them one after another
+PARALLEL = 2  # launches at once (a sweep of train runs is one); 1 runs them one after another
 STEPS, GLOBAL_BATCH, WORLD = 4, 32, 2
 EVAL_SAMPLES = 1000  # --eval on the first 1,000 test images: ~0.4 s of one core a job
 MODEL_ARGS = {
