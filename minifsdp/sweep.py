@@ -30,6 +30,7 @@ own, as if there had been no sweep.
 from __future__ import annotations
 
 import argparse
+import gc
 import hashlib
 import json
 import math
@@ -68,6 +69,10 @@ def main(argv: list[str] | None = None) -> None:
                        + " ".join(run["argv"]))
             raise
         save_results(results)
+        del results
+        # the run's model, optimizer and buffers go now, cycles included: on CUDA each memory
+        # sample records torch.cuda.memory_allocated() (Note [CUDA] in minifsdp/memory.py)
+        gc.collect()
     finish()
 
 
