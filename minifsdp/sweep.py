@@ -42,7 +42,7 @@ from concurrent.futures import Executor, Future
 from pathlib import Path
 from typing import Any
 
-from minifsdp.dist import RUN_TAG  # the stdout line that starts a run on each rank
+from minifsdp.dist import RUN_TAG, dist_setup, finish, save_results
 from minifsdp.launch import RunResult, WorkerError, _read_logs, repo_root, torchrun
 
 TARGET = "minifsdp.train"  # the one worker whose runs a sweep holds
@@ -55,8 +55,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("plan", type=Path, help="JSON list of {name, out, argv}")
     plan = _read_plan(p.parse_args(argv).plan)
 
-    from minifsdp import train
-    from minifsdp.dist import dist_setup, finish, save_results
+    from minifsdp import train  # the worker's import: the launcher side needs none of it
 
     info = dist_setup()
     for run in plan:
@@ -102,7 +101,7 @@ def _read_plan(path: Path) -> list[dict]:
 
 
 def torchrun_sweep(runs: dict[str, tuple], *, nproc: int = 2, chapter: str = "adhoc",
-                   timeout: float = 300.0, **options: Any):
+                   timeout: float = 300.0, **options: Any) -> dict[str, RunResult]:
     """Run every ``minifsdp.train`` run of ``runs`` (``name -> args``) in one torchrun job of
     ``nproc`` ranks, one after another (Note [a sweep of runs]); return ``name -> RunResult``.
 
@@ -147,7 +146,7 @@ class SweepFailed(WorkerError):
 
 
 def _result(name: str, out: Path, nproc: int, stdout: dict[int, str], wall_s: float = math.nan,
-            backend=None):
+            backend=None) -> RunResult:
     """Run ``name``'s ``RunResult``: its rank files, and its part of each rank's output."""
     ranks = [json.loads(p.read_text()) if (p := out / f"rank{r}.json").exists() else None
              for r in range(nproc)]
@@ -174,8 +173,9 @@ def submit_all(pool: Executor, jobs: dict[str, tuple[str, int, tuple]], **option
     Future`` of its ``RunResult`` (or the ``WorkerError`` it raised).
 
     The ``minifsdp.train`` jobs of one ``nproc`` run as one sweep (Note [a sweep of runs]);
-    if the sweep fails, each of its jobs runs alone and gets its own result or error. Every
-    other job is a ``torchrun`` of its own. Big jobs are submitted first (less idle tail)."""
+    if it fails, the runs it finished stand and each other job runs alone, to its own result
+    or error. Every other job is a ``torchrun`` of its own. Big launches are submitted first
+    (less idle tail)."""
     groups: dict[int, list[str]] = {}
     singles = []
     for k, (target, nproc, args) in jobs.items():
