@@ -2,9 +2,9 @@
 
 The oracle is the same ``minifsdp.train`` command launched as a torchrun job of its own. At
 N = 2 the losses, the full parameters, the comm log (all but its times) and each tracked step's
-peak of every category but ``other``/``comm`` must be equal (gloo's thread frees its copies at
-moments that differ between two runs of the same job, so the timelines themselves are no
-oracle at N = 2); at world size 1 the whole memory JSON must be.
+maximum of parameters, gradients, optimizer state and activations must be equal (gloo's thread
+frees its copies at moments that differ between two runs of the same job, so the timelines
+themselves are no oracle at N = 2); at world size 1 the whole memory JSON must be.
 """
 
 from __future__ import annotations
@@ -59,7 +59,10 @@ def test_a_run_at_n2_is_the_same_in_a_sweep_as_alone(launched):
         assert _untimed(a["comm"]) == _untimed(b["comm"]), r
         for step, (ma, mb) in enumerate(zip(a["memory"], b["memory"], strict=True)):
             for cat in ("params", "grads", "optimizer", "activations"):
-                assert ma["peak_by_category"][cat] == mb["peak_by_category"][cat], (r, step, cat)
+                # each category's own maximum: the main thread's, whenever gloo's thread frees
+                # (the breakdown at the total's peak would move with it)
+                top = [max(s[cat] for s in m["timeline"]) for m in (ma, mb)]
+                assert top[0] == top[1], (r, step, cat, top)
     pa, pb = (torch.load(run.out_dir / "params.pt", weights_only=True) for run in (alone, inside))
     assert pa.keys() == pb.keys() and all(torch.equal(pa[k], pb[k]) for k in pa)
     # the first run is a different one (ZeRO-2, another seed): the sweep really held two runs
