@@ -162,8 +162,8 @@ def torchrun_all(jobs: dict[str, tuple[str, int, tuple]], *, parallel: int = 2,
             nproc=nproc, name=name, **options)``, except that the ``minifsdp.train`` jobs of
             one ``nproc`` run one after another in a single torchrun job, which pays torch's
             start-up once (``minifsdp.sweep``, Note [a sweep of runs]). Each still gets its
-            own ``RunResult`` and directory, the same bit for bit; if the sweep fails, each of
-            its jobs runs alone, so an error is the failing job's own.
+            own ``RunResult`` and directory, the same bit for bit; if the sweep fails, the runs
+            it finished stand and each other job runs alone, so an error is its own.
         parallel: launches at once. A launch spends much of its wall time starting processes
             (every rank imports torch) while cores wait on the rendezvous, so two launches at
             once finish sooner than one after the other on 2 cores.

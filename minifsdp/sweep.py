@@ -129,11 +129,12 @@ def torchrun_sweep(runs: dict[str, tuple], *, nproc: int = 2, chapter: str = "ad
         job = torchrun("minifsdp.sweep", plan, nproc=nproc, name=name, chapter=chapter,
                        timeout=timeout * len(runs), **options)
     except WorkerError as e:  # the runs that had finished on every rank stand
-        stdout = _read_logs(base / name / "logs", "stdout")
+        stdout = _by_run(_read_logs(base / name / "logs", "stdout"))
         found = {k: _result(k, outs[k], nproc, stdout) for k in runs}
         done = {k: r for k, r in found.items() if all(x and x.get("finished") for x in r.ranks)}
         raise SweepFailed(str(e), e.rank, e.logs, done) from e
-    return {k: _result(k, outs[k], nproc, job.stdout, job.wall_s, job.backend) for k in runs}
+    stdout = _by_run(job.stdout)
+    return {k: _result(k, outs[k], nproc, stdout, job.wall_s, job.backend) for k in runs}
 
 
 class SweepFailed(WorkerError):
@@ -145,13 +146,18 @@ class SweepFailed(WorkerError):
         self.finished = finished
 
 
-def _result(name: str, out: Path, nproc: int, stdout: dict[int, str], wall_s: float = math.nan,
+def _result(name: str, out: Path, nproc: int, stdout: dict[int, dict], wall_s: float = math.nan,
             backend=None) -> RunResult:
-    """Run ``name``'s ``RunResult``: its rank files, and its part of each rank's output."""
+    """Run ``name``'s ``RunResult``: its rank files, and its part of each rank's output
+    (``stdout``: rank -> ``_split_runs`` of what it printed)."""
     ranks = [json.loads(p.read_text()) if (p := out / f"rank{r}.json").exists() else None
              for r in range(nproc)]
-    return RunResult(name, out, ranks, {r: _split_runs(t).get(name, "") for r, t in stdout.items()},
+    return RunResult(name, out, ranks, {r: runs.get(name, "") for r, runs in stdout.items()},
                      wall_s, backend)
+
+
+def _by_run(stdout: dict[int, str]) -> dict[int, dict]:
+    return {r: _split_runs(text) for r, text in stdout.items()}  # once per rank, not per run
 
 
 def _split_runs(text: str) -> dict[str | None, str]:
@@ -209,24 +215,24 @@ class _SweepMember(Future):
 
     def __init__(self, sweep: Future, name: str, alone):
         super().__init__()
-        self._sweep, self._name, self._alone, self._asked = sweep, name, alone, False
+        self._sweep, self._name, self._alone = sweep, name, alone
 
     def result(self, timeout=None):
-        if not self._asked:
-            self._asked = True
+        if not self.done():  # first asked: settle it
             try:
                 self.set_result(self._sweep.result()[self._name])
             except Exception as failed:
-                if self._name in getattr(failed, "finished", {}):
-                    self.set_result(failed.finished[self._name])
-                    return super().result(timeout)
-                warnings.warn(f"{self._name}: the sweep it ran in failed, so it runs alone "
-                              f"(Note [a sweep of runs]): {str(failed).splitlines()[0]}",
-                              stacklevel=2)
-                try:
-                    self.set_result(self._alone(self._name))
-                except BaseException as e:
-                    self.set_exception(e)
+                finished = getattr(failed, "finished", {})  # SweepFailed's
+                if self._name in finished:
+                    self.set_result(finished[self._name])
+                else:
+                    warnings.warn(f"{self._name}: the sweep it ran in failed, so it runs alone "
+                                  f"(Note [a sweep of runs]): {str(failed).splitlines()[0]}",
+                                  stacklevel=2)
+                    try:
+                        self.set_result(self._alone(self._name))
+                    except BaseException as e:
+                        self.set_exception(e)
         return super().result(timeout)
 
 
