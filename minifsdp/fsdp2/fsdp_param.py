@@ -101,7 +101,9 @@ torch's ``pin_memory()`` fails on a CPU-only machine ("Found no NVIDIA driver");
 ``CPUOffloadPolicy(pin_memory=True)`` there, naming the fix, before touching the module. On a
 CPU mesh the device *is* the CPU and ``.to("cpu")`` returns the tensor itself: the moves copy
 nothing, on the same code path (which is how the tests run and count them); on a CUDA mesh the
-same lines copy to and from ``cuda``.
+same lines copy to and from ``cuda``. Measured there (one H200, benchmarks/RESULTS.md,
+2026-12-04; ``python -m minifsdp.gpucheck``): bitwise equal to torch's, and a steady step's
+copies are these bytes exactly, ours and torch's alike.
 """
 
 from __future__ import annotations
@@ -114,6 +116,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from minifsdp.fsdp2.hsdp import MeshInfo, mesh_info
 from minifsdp.fsdp2.mixed_precision import MixedPrecisionPolicy, resolve_dtypes
@@ -281,10 +284,15 @@ class FSDPParam:
 
         ``shape`` and ``stride`` must be given: with uneven chunks DTensor cannot infer the
         global shape from one rank's local tensor. Used for the parameter and its gradient.
+
+        Built from a spec, as torch's ``_from_local_no_grad`` does, not with
+        ``DTensor.from_local``: that one moves ``local`` to the mesh's device type, which would
+        put a CPU-offloaded shard back on the GPU (Note [FSDP2 CPU offload]; invisible on a
+        CPU mesh, seen on an H200, benchmarks/RESULTS.md).
         """
-        with torch.no_grad():
-            return DTensor.from_local(local, self.mesh, self.placements, run_check=False,
-                                      shape=self.orig_size, stride=self.orig_stride)
+        meta = TensorMeta(self.orig_size, self.orig_stride, local.dtype)
+        spec = DTensorSpec(self.mesh, tuple(self.placements), tensor_meta=meta)
+        return DTensor(local.detach(), spec, requires_grad=False)
 
     def to_sharded_grad(self, local: torch.Tensor) -> DTensor:
         """This rank's rows of the reduced gradient (shape ``sharded_size``) as the sharded
