@@ -5,7 +5,9 @@ the same comm classes.
 Two launches, ``tests/workers/fsdp2_custom_comm_worker.py`` at N = 2 and 3 (uneven rows, an
 empty shard at 3; fp32 and a bf16 ``MixedPrecisionPolicy``): an all-gather that allocates
 NaN-filled buffers itself and a reduce-scatter built from ``all_reduce`` and a slice, set on
-every module but one. The in-process tests at the end use a world of one.
+every module but one; then the built-in buffer settings (``comm_buffers.py``: the process
+group's allocator, a cap on reduce-scatter inputs in flight) on both sides. The in-process
+tests at the end use a world of one.
 """
 
 from pathlib import Path
@@ -278,3 +280,126 @@ def test_post_optim_event_is_waited_once_and_changes_no_bit(cpu_mesh, monkeypatc
         assert_bitwise(ours, theirs, names=("fsdp2", "torch"))
     with pytest.raises(TypeError, match="set_post_optim_event: expected an event"):
         models["ours"].set_post_optim_event(object())  # torch takes anything
+
+
+# ---- the built-in buffer settings (Note [comm buffers from the process group], Note [symmetric
+# memory], Note [reduce-scatter inputs in flight] in minifsdp/fsdp2/comm_buffers.py) -------------
+
+def knob_cases(worker) -> list[tuple[str, str, dict]]:
+    cases = [(f"N = {n}, rank {r['rank']}", k, r[k]) for n, ranks in worker.items()
+             for r in ranks for k in ("pg_alloc", "max_buffers") if k in r]
+    if not cases:
+        pytest.skip("this torch has no set_reduce_scatter_max_input_buffers (2.14 has)")
+    return cases
+
+
+def test_worker_buffer_settings_train_bitwise_like_torch_and_the_defaults(worker):
+    """Buffers from the process group (gloo has no allocator: torch.empty's, as the
+    defaults') and a cap of 2 reduce-scatter inputs: 3 Adam steps equal torch's with the same
+    setting and ours without it, bit for bit, at N = 2 and 3."""
+    for where, knob, case in knob_cases(worker):
+        assert case["vs_torch"] is None, f"{where}, {knob}: {case['vs_torch']}"
+        assert case["vs_default"] is None, f"{where}, {knob}: {case['vs_default']}"
+
+
+def test_worker_buffer_settings_reach_every_group(worker):
+    """Every group's comms are the process group's after the per-module calls; the cap,
+    set on the root (recursive), is every group's; the other setting's groups keep the
+    defaults."""
+    for where, knob, case in knob_cases(worker):
+        if knob == "pg_alloc":
+            assert case["comms"] == ["ProcessGroupAllocAllGather ProcessGroupAllocReduceScatter"]
+            assert case["caps"] == [1], where
+        else:
+            assert case["comms"] == ["DefaultAllGather DefaultReduceScatter"], where
+            assert case["caps"] == [2], where
+
+
+def test_worker_no_reduce_scatter_input_outlives_its_collective(worker):
+    """Ours keeps no input in flight (the cap always holds): at every copy-in, each earlier
+    input has already lost its bytes -- with the cap at 2, and with the process group's
+    buffers, which gloo makes plain (so FSDP frees them at once, as the defaults'). 5 groups'
+    reduce-scatters a step, 3 steps."""
+    for where, knob, case in knob_cases(worker):
+        assert case["alive_at_copy_in"] == [0] * 15, (where, knob, case["alive_at_copy_in"])
+
+
+def test_process_group_buffers_switch_on_and_off_and_refuse_a_custom_comm(cpu_mesh):
+    """This module's group only (as torch's); ``False`` restores the defaults; after a custom
+    comm, ours refuses naming the group and the comm, as torch's refuses (an AssertionError
+    there)."""
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    from minifsdp.fsdp2.comm_buffers import (
+        ProcessGroupAllocAllGather,
+        ProcessGroupAllocReduceScatter,
+    )
+
+    model = model_of(cpu_mesh)
+    group, child = model.fsdp_state.group, model[0].fsdp_state.group
+    model.set_allocate_memory_from_process_group_for_comm(True)
+    assert type(group.all_gather_comm) is ProcessGroupAllocAllGather
+    assert type(group.reduce_scatter_comm) is ProcessGroupAllocReduceScatter
+    assert type(child.all_gather_comm) is DefaultAllGather
+    model(torch.randn(3, 4)).sum().backward()  # a world of one: plain buffers, freed by us
+    assert group.all_gather_comm.plain_buffers and group.reduce_scatter_comm.plain_buffers
+    model.set_allocate_memory_from_process_group_for_comm(False)
+    assert type(group.all_gather_comm) is DefaultAllGather
+    model.set_custom_all_gather(Kept())
+    with pytest.raises(RuntimeError, match=r"^root\.set_allocate_memory_from_process_group_for_comm"
+                       r": this group's all-gather is a custom comm, Kept"):
+        model.set_allocate_memory_from_process_group_for_comm(True)
+    assert type(group.all_gather_comm) is Kept  # unchanged
+    torch.manual_seed(0)
+    theirs = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3))
+    torch_fully_shard(theirs, mesh=cpu_mesh)
+    theirs.set_custom_all_gather(Kept())
+    with pytest.raises(AssertionError, match="all gather comm is custom: Kept"):
+        theirs.set_allocate_memory_from_process_group_for_comm(True)
+
+
+def test_symmetric_memory_is_refused_off_cuda_by_name(cpu_mesh):
+    """Symmetric memory needs CUDA and NCCL: on a gloo CPU mesh ours refuses at the call,
+    naming the module (torch 2.14 accepts it and fails at the first forward with N > 1); so
+    is a backend torch does not know. Nothing changed."""
+    model = model_of(cpu_mesh)
+    with pytest.raises(ValueError, match=r"^Sequential\.set_symm_mem_for_comm: symmetric "
+                       r"memory is GPU memory .* on cpu and it communicates over gloo"):
+        model.set_symm_mem_for_comm()
+    with pytest.raises(ValueError, match=r"backend='NVSHMEM'; torch 2.14 supports only"):
+        model.set_symm_mem_for_comm("NVSHMEM")
+    assert type(model.fsdp_state.group.all_gather_comm) is DefaultAllGather
+
+
+@pytest.mark.parametrize("bad", [True, 1.5, "2", 0, -1])
+def test_max_input_buffers_refuses_what_torch_refuses(cpu_mesh, bad):
+    """The same exception type and message as torch 2.14.1 (``True`` is not 1)."""
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    theirs = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3))
+    torch_fully_shard(theirs, mesh=cpu_mesh)
+    with pytest.raises(Exception) as want:
+        theirs.set_reduce_scatter_max_input_buffers(bad)
+    with pytest.raises(type(want.value)) as got:
+        model_of(cpu_mesh).set_reduce_scatter_max_input_buffers(bad)
+    assert str(got.value) == str(want.value)
+
+
+def test_max_input_buffers_recurses_as_torchs(cpu_mesh):
+    """``recurse=True`` sets every group below the module, ``False`` its own, as torch's
+    (compared attribute for attribute on the same model)."""
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    def caps(model, theirs):
+        return [(m.fsdp_state.group if not theirs else m._get_fsdp_state()._fsdp_param_group
+                 ).reduce_scatter_max_input_buffers for m in (model[0], model)]
+
+    ours = model_of(cpu_mesh)
+    theirs = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3))
+    torch_fully_shard(theirs[0], mesh=cpu_mesh)
+    torch_fully_shard(theirs, mesh=cpu_mesh)
+    for model, is_torch in ((ours, False), (theirs, True)):
+        model.set_reduce_scatter_max_input_buffers(3, recurse=False)
+        assert caps(model, is_torch) == [1, 3], is_torch
+        model.set_reduce_scatter_max_input_buffers(2)
+        assert caps(model, is_torch) == [2, 2], is_torch

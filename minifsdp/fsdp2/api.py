@@ -64,7 +64,22 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
-from minifsdp.fsdp2.custom_comm import AllGather, ReduceScatter, check_comm
+from minifsdp.fsdp2.comm_buffers import (
+    ProcessGroupAllocAllGather,
+    ProcessGroupAllocReduceScatter,
+    SymmMemAllGather,
+    SymmMemReduceScatter,
+    check_max_input_buffers,
+    check_symm_mem,
+    refuse_symm_mem_with_buffers,
+)
+from minifsdp.fsdp2.custom_comm import (
+    AllGather,
+    DefaultAllGather,
+    DefaultReduceScatter,
+    ReduceScatter,
+    check_comm,
+)
 from minifsdp.fsdp2.fsdp_param import CPUOffloadPolicy, OffloadPolicy, Owners
 from minifsdp.fsdp2.fsdp_param_group import FSDPParamGroup
 from minifsdp.fsdp2.fsdp_state import FSDPState, listed_modules
@@ -342,6 +357,77 @@ class FSDPModule:
                     group_desc="fsdp_reduce_scatter")
             group.separate_reduce_scatter_group = made[ranks]
 
+    def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
+        """``True``: this group's all-gather buffer and reduce-scatter buffers come from the
+        process group's own allocator where its backend has one (NCCL's ``ncclMemAlloc``:
+        registered memory, zero-copy collectives); gloo has none, so on CPU the buffers, bytes
+        and values are the defaults' (Note [comm buffers from the process group] in
+        ``comm_buffers.py``). ``False``: the defaults again. This module's group only, as
+        torch's; refused after a custom comm, as torch's::
+
+            for m in model.modules():
+                if isinstance(m, FSDPModule):
+                    m.set_allocate_memory_from_process_group_for_comm(True)
+        """
+        _check_bool("set_allocate_memory_from_process_group_for_comm", "enable", enable)
+        for group in self._groups(recurse=False):
+            pair = {"all-gather": (group.all_gather_comm, (DefaultAllGather,
+                                                           ProcessGroupAllocAllGather)),
+                    "reduce-scatter": (group.reduce_scatter_comm, (
+                        DefaultReduceScatter, ProcessGroupAllocReduceScatter))}
+            _refuse_custom(pair, "set_allocate_memory_from_process_group_for_comm",
+                           self._label())
+            group.all_gather_comm = (ProcessGroupAllocAllGather(group.process_group) if enable
+                                     else DefaultAllGather())
+            group.reduce_scatter_comm = (
+                ProcessGroupAllocReduceScatter(group.reduce_scatter_group) if enable
+                else DefaultReduceScatter())
+
+    def set_symm_mem_for_comm(self, backend: str = "NCCL") -> None:
+        """All-gather (and, if this group reduces with SUM only, reduce-scatter) in symmetric
+        memory: buffers every rank has mapped, so NCCL copies GPU to GPU directly (its copy
+        engines under ``NCCL_CTA_POLICY=2``). CUDA and NCCL only: refused on any other
+        device or process group, naming this module (torch 2.14 accepts it there and fails at
+        the first forward). Collective over the group (a barrier). This module's group only;
+        refused after a custom comm and with ``set_reduce_scatter_max_input_buffers(>1)``, as
+        torch's (Note [symmetric memory] in ``comm_buffers.py``)::
+
+            model.set_force_sum_reduction_for_comms(True)   # else the reduce-scatter stays
+            model.set_symm_mem_for_comm()
+        """
+        for group in self._groups(recurse=False):
+            check_symm_mem(torch.device(group.mesh.device_type), group.process_group,
+                           backend, self._label())
+            pair = {"all-gather": (group.all_gather_comm, (DefaultAllGather, SymmMemAllGather)),
+                    "reduce-scatter": (group.reduce_scatter_comm, (DefaultReduceScatter,
+                                                                   SymmMemReduceScatter))}
+            _refuse_custom(pair, "set_symm_mem_for_comm", self._label())
+            # NCCL's symmetric reduce-scatter only sums: the other op keeps the default's
+            sums = group.force_sum_reduction_for_comms
+            refuse_symm_mem_with_buffers(group.name, group.reduce_scatter_max_input_buffers,
+                                         symmetric=sums)
+            group.all_gather_comm = SymmMemAllGather(group.process_group, backend)
+            if sums:
+                group.reduce_scatter_comm = SymmMemReduceScatter(group.reduce_scatter_group,
+                                                                 backend)
+
+    def set_reduce_scatter_max_input_buffers(self, max_input_buffers: int, *,
+                                             recurse: bool = True) -> None:
+        """At most this many gradient reduce-scatter inputs in flight at once (torch's cap
+        on the copy-in buffers it keeps alive while its reduce-scatter stream reads them;
+        default 1; an int ``>= 1``, torch's errors otherwise). Ours never has one in flight:
+        its reduce-scatter is over when the call returns and the input is freed there, so
+        every cap holds and no byte changes (Note [reduce-scatter inputs in flight] in
+        ``comm_buffers.py``)::
+
+            model.set_reduce_scatter_max_input_buffers(2)   # torch: 2 inputs' memory, no stall
+        """
+        max_input_buffers = check_max_input_buffers(max_input_buffers)
+        for group in self._groups(recurse):
+            refuse_symm_mem_with_buffers(group.name, max_input_buffers, symmetric=isinstance(
+                group.reduce_scatter_comm, SymmMemReduceScatter))
+            group.reduce_scatter_max_input_buffers = max_input_buffers
+
     def set_reduce_scatter_unused_params(self, reduce_scatter_unused_params: bool, *,
                                          recurse: bool = True) -> None:
         """``True``: reduce-scatter a zero gradient for every parameter that requires one and
@@ -400,6 +486,16 @@ class FSDPModule:
         # dict: a state of several modules once (Note [several modules, one group])
         states = dict.fromkeys(m.fsdp_state for m in modules if isinstance(m, FSDPModule))
         return [s.group for s in states if s.group is not None]
+
+
+def _refuse_custom(comms: dict, method: str, name: str) -> None:
+    """torch's rule: a setter that replaces a group's comms refuses one set by
+    ``set_custom_all_gather`` / ``set_custom_reduce_scatter`` (it chose its buffers)."""
+    for kind, (comm, replaceable) in comms.items():
+        if not isinstance(comm, replaceable):
+            raise RuntimeError(f"{name}.{method}: this group's {kind} is a custom comm, "
+                               f"{type(comm).__name__}, which allocates its own buffers "
+                               "(torch refuses this too)")
 
 
 def _check_bool(method: str, name: str, value: object) -> None:

@@ -25,8 +25,8 @@ on the module's own group only, not its children's, as torch's.
 
 Why the seam exists: *where* the bytes live and *how* they travel are what GPU systems tune.
 A symmetric-memory comm allocates from a pool every rank has mapped (NCCL's zero-copy and
-copy-engine collectives; torch's ``SymmMemAllGather``), a registered-buffer comm from the
-process group's allocator (``ProcessGroupAllocAllGather``), and ZeRO++'s quantized all-gather
+copy-engine collectives), a registered-buffer comm from the process group's allocator (both
+built in, as torch's: ``comm_buffers.py``), and ZeRO++'s quantized all-gather
 and reduce-scatter move int8 blocks with scales instead of bf16 and dequantize into the
 output. None of them changes FSDP's layout, so they plug in here without a fork.
 
@@ -153,7 +153,9 @@ def allocate(comm: AllGather | ReduceScatter, numel: int, dtype: torch.dtype,
 
 
 def release(buffer: torch.Tensor, comm: AllGather | ReduceScatter) -> None:
-    """Done with ``buffer`` from ``comm.allocate``: free it now if ours made it, else leave it
-    to the comm that did (Note [custom collectives], ownership)."""
-    if type(comm).allocate is _DefaultAlloc.allocate:
+    """Done with ``buffer`` from ``comm.allocate``: free it now if ours made it (the
+    default's, or a process-group comm's ``torch.empty`` where the backend has no allocator:
+    Note [comm buffers from the process group] in ``comm_buffers.py``), else leave it to the
+    comm that did (Note [custom collectives], ownership)."""
+    if type(comm).allocate is _DefaultAlloc.allocate or getattr(comm, "plain_buffers", False):
         buffer.untyped_storage().resize_(0)

@@ -205,6 +205,9 @@ class FSDPParamGroup:
         self.all_gather_comm, self.reduce_scatter_comm = DefaultAllGather(), DefaultReduceScatter()
         # set_separate_reduce_scatter_group (Note [a reduce-scatter group of its own])
         self.separate_reduce_scatter_group: dist.ProcessGroup | None = None
+        # set_reduce_scatter_max_input_buffers: kept, always met (Note [reduce-scatter
+        # inputs in flight] in comm_buffers.py)
+        self.reduce_scatter_max_input_buffers = 1
 
     @property
     def reduce_scatter_group(self) -> dist.ProcessGroup:

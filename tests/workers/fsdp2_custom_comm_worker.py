@@ -20,7 +20,8 @@ sharded-then-gathered gradients and parameters, ours against torch's with the sa
 calls each side's comms saw, in order (allocate: size, dtype; call: numels, dtype, group
 size, op); the ``async_op`` flags apart (ours issues prefetches asynchronously, torch in
 streams: see the test); whether every kept buffer still has its bytes; ours with custom comms
-against ours with the defaults; and what ``minifsdp.comm`` logged for ours.
+against ours with the defaults; and what ``minifsdp.comm`` logged for ours. ``knob_case``
+does the same for the built-in buffer settings (``comm_buffers.py``) without custom comms.
 """
 
 import torch
@@ -221,10 +222,59 @@ def errors() -> dict:
     return out
 
 
+def knob_case(knob: str) -> dict:
+    """The built-in buffer settings (Note [comm buffers from the process group], Note
+    [reduce-scatter inputs in flight] in minifsdp/fsdp2/comm_buffers.py) on both sides, fp32:
+    ``pg_alloc``, every module's ``set_allocate_memory_from_process_group_for_comm(True)``
+    (not recursive); ``max_buffers``, the root's ``set_reduce_scatter_max_input_buffers(2)``
+    (recursive). Reports the divergences as ``case`` does, ours' comm classes, and at each of
+    ours' reduce-scatter copy-ins how many earlier inputs still hold their bytes."""
+    from minifsdp.fsdp2 import reduce
+
+    models = {"ours": make(), "torch": make(), "plain": make()}
+    for side, model in models.items():
+        shard(model, side == "torch", None, False)
+        if side == "plain":
+            continue
+        if knob == "pg_alloc":
+            for m in model.modules():
+                if hasattr(m, "set_allocate_memory_from_process_group_for_comm"):
+                    m.set_allocate_memory_from_process_group_for_comm(True)
+        else:
+            model.set_reduce_scatter_max_input_buffers(2)
+    inputs, alive = [], []
+    allocate = reduce.allocate
+
+    def spy(comm_, numel, dtype, device, what):
+        buf = allocate(comm_, numel, dtype, device, what)
+        if what.endswith("reduce-scatter input"):  # a strong reference: only a free empties it
+            alive.append(sum(b.untyped_storage().nbytes() > 0 for b in inputs))
+            inputs.append(buf)
+        return buf
+
+    reduce.allocate = spy
+    try:
+        got = train(models["ours"])
+    finally:
+        reduce.allocate = allocate
+    want, default = train(models["torch"]), train(models["plain"])
+    groups = [m.fsdp_state.group for m in models["ours"].modules()
+              if hasattr(m, "fsdp_state") and m.fsdp_state.group is not None]
+    return {"vs_torch": first_divergence(got, want, ("fsdp2", "torch")),
+            "vs_default": first_divergence(got, default, (knob, "default")),
+            "comms": sorted({f"{type(g.all_gather_comm).__name__} "
+                             f"{type(g.reduce_scatter_comm).__name__}" for g in groups}),
+            "caps": sorted({g.reduce_scatter_max_input_buffers for g in groups}),
+            "alive_at_copy_in": alive}
+
+
 out = {"rank": rank, "world_size": N, "fp32": case(None),
        "bf16": case({"param_dtype": torch.bfloat16}), "errors": errors()}
 # set_separate_reduce_scatter_group (Note [a reduce-scatter group of its own]), where this
 # torch has it (2.14; the GPU machine's 2.11 does not): the fp32 case again, on its own group
 if hasattr(torch.distributed.fsdp.FSDPModule, "set_separate_reduce_scatter_group"):
     out["separate"] = case(None, separate=True)
+# torch 2.14's buffer settings, where this torch has them (2.11 on the GPU machine has not)
+if hasattr(torch.distributed.fsdp.FSDPModule, "set_reduce_scatter_max_input_buffers"):
+    out["pg_alloc"], out["max_buffers"] = knob_case("pg_alloc"), knob_case("max_buffers")
 finish(out)
