@@ -60,7 +60,7 @@ CHAPTERS: dict[str, Chapter] = {c.id: c for c in [
     Chapter("05", "FSDP2: per-parameter sharding", "notebooks/05_fsdp2_per_param.ipynb",
             _m("fsdp2/__init__", "fsdp2/api", "fsdp2/fsdp_param", "fsdp2/fsdp_param_group",
                "fsdp2/fsdp_state", "fsdp2/reduce", "fsdp2/extensions",
-               "fsdp2/shard_placement", "fsdp2/custom_comm"),
+               "fsdp2/shard_placement", "fsdp2/custom_comm", "fsdp2/comm_buffers"),
             _t("test_fsdp2", "test_fsdp2_custom_comm", "test_activation_checkpointing",
                "test_exercises_05"),
             _w("fsdp2_worker", "fsdp2_multi_worker", "fsdp2_shard_dim_worker",

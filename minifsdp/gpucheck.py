@@ -121,6 +121,7 @@ class Pair:
     foreach: bool | str | None = None  # None: make_optimizer's; "torch": torch's default rule
     bitwise: bool = True   # expected bitwise equal on CUDA too (on CPU every pair is)
     repeat: bool = False   # run each side twice: is it deterministic with itself?
+    cuda_only: bool = False  # skipped off CUDA; an exception is reported, not raised
 
 
 FSDP1 = ("--auto-wrap", "transformer")
@@ -140,6 +141,12 @@ PAIRS = [
     # Note [FSDP2 CPU offload]: shards, gradients and Adam on the host; each step's copies
     # across the host link counted (HostDeviceCopies) against the Note's bytes
     Pair("fsdp2 fp32, CPU offload", "fsdp2", "torch_fsdp2", ("--cpu-offload",)),
+    # Note [comm buffers from the process group], Note [symmetric memory] (comm_buffers.py):
+    # torch runs no collective in a world of one, so only ours allocates and rendezvouses here
+    Pair("fsdp2 fp32, buffers from NCCL's allocator", "fsdp2", "torch_fsdp2",
+         ("--comm-buffers", "process-group")),
+    Pair("fsdp2 fp32, symmetric memory", "fsdp2", "torch_fsdp2", ("--comm-buffers", "symm-mem"),
+         cuda_only=True),
 ]
 GPT = ("--model", "gpt", "--n-layer", 4, "--d-model", 256, "--n-head", 8, "--vocab-size", 512,
        "--seq-len", 64, "--global-batch", 8, "--optimizer", "adamw")
@@ -368,8 +375,17 @@ def worker(steps: int, tiny: bool) -> None:
     out["pairs"], out["repeats"] = [], []
     t0 = time.perf_counter()
     for pair in PAIRS:
-        a, b = (run_one(s, pair.extra, steps, info, tiny, pair.foreach)
-                for s in (pair.ours, pair.torch))
+        if pair.cuda_only and info.device.type != "cuda":
+            continue
+        try:
+            a, b = (run_one(s, pair.extra, steps, info, tiny, pair.foreach)
+                    for s in (pair.ours, pair.torch))
+        except Exception as e:  # noqa: BLE001 -- a cuda_only feature may be missing here
+            if not pair.cuda_only:
+                raise
+            out["pairs"].append({"name": pair.name, "error": f"{type(e).__name__}: {e}"})
+            _fresh(info.device)
+            continue
         # where a slow or stuck check was: the worker's stderr log under runs/gpucheck/
         print(f"[gpucheck {time.perf_counter() - t0:.1f}s] {pair.name}: done", file=sys.stderr,
               flush=True)
@@ -464,6 +480,8 @@ def report(res: dict) -> str:
               "torch | foreach (CUDA) ours / torch | step rise MB ours: tracker / allocator; "
               "torch's |",
               "|---|---|---|---|---|---|---|---|"]
+    failed = [p for p in res["pairs"] if "error" in p]
+    res = {**res, "pairs": [p for p in res["pairs"] if "error" not in p]}
     for p in res["pairs"]:
         rise = []
         for mem in p["memory"]:
@@ -475,6 +493,8 @@ def report(res: dict) -> str:
                      f"{p['max_abs_diff']:.1e} | {p['step_ms'][0]:.1f} / {p['step_ms'][1]:.1f} "
                      f"| {p['foreach'][0]} / {p['foreach'][1]} | {rise[0]}; {rise[1]} |")
     lines.append("")
+    for p in failed:
+        lines.append(f"- {p['name']}: FAILED, {p['error'][:300]}")
     for p in res["pairs"]:
         if not p["params_equal"]:
             lines.append(f"- {p['name']}: {p['elements_differing']:,} of {p['elements']:,} "
@@ -543,6 +563,8 @@ def run_bench(tiny: bool = False, rounds: int = 5, steps: int = 5, warmup: int =
 def passed(res: dict) -> bool:
     """Every pair bitwise equal where it is expected to be; on CUDA, our offload's copies
     across the host link exactly Note [FSDP2 CPU offload]'s bytes."""
+    if any("error" in p for p in res["pairs"]):
+        return False
     bitwise = all(p["losses_equal"] and p["params_equal"]
                   for p in res["pairs"] if p["bitwise_expected"])
     offload = [c[0] for c in (p.get("copies") for p in res["pairs"]) if c and c[0]

@@ -77,6 +77,7 @@ STRICT = {
     "forward_prefetch": "",
     "backward_prefetch": "",
     "hsdp": "",
+    "comm_buffers": "",
 }
 # every strategy but FSDP1's: torch fully_shard's default (the others ignore it)
 DEFAULTS = {"backward_prefetch": "implicit"}
@@ -146,7 +147,8 @@ FSDP1_WHY = {"backward_prefetch": "FSDP1 takes backward_pre, backward_post or no
 FSDP2_TAKES = {"param_dtype": ANY, "reduce_dtype": ANY, "output_dtype": ANY,
                "clip_grad_norm": ANY, "hsdp": ANY, "reshard_after_forward": ANY,
                "forward_prefetch": ("none", "implicit", "explicit"),
-               "backward_prefetch": ("implicit", "explicit", "none"), "cpu_offload": ANY}
+               "backward_prefetch": ("implicit", "explicit", "none"), "cpu_offload": ANY,
+               "comm_buffers": ANY}
 BUCKETS = {"bucket_cap_mb": ANY}
 
 
@@ -299,8 +301,30 @@ def shard_bottom_up(fully_shard, model, info, args, policy_cls=None, offload_cls
     for unit in shard_units(model):
         fully_shard(unit, mesh=mesh, reshard_after_forward=args.reshard_after_forward,
                     **unit_mp, **off)
-    return fully_shard(model, mesh=mesh, reshard_after_forward=args.reshard_after_forward,
-                       **root_mp, **off)
+    model = fully_shard(model, mesh=mesh, reshard_after_forward=args.reshard_after_forward,
+                        **root_mp, **off)
+    return set_comm_buffers(model, getattr(args, "comm_buffers", "default"))
+
+
+def set_comm_buffers(model, where: str):
+    """``--comm-buffers``: every FSDP module's buffers from the process group's allocator or
+    symmetric memory (both setters act on one module's group: Note [comm buffers from the
+    process group] in ``minifsdp/fsdp2/comm_buffers.py``)."""
+    method = {"default": None, "process-group": "set_allocate_memory_from_process_group_for_comm",
+              "symm-mem": "set_symm_mem_for_comm"}[where]
+    if method is None:
+        return model
+    from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
+
+    from minifsdp.fsdp2 import FSDPModule
+
+    modules = [m for m in model.modules() if isinstance(m, (FSDPModule, TorchFSDPModule))]
+    if not hasattr(modules[0], method):
+        raise ValueError(f"--comm-buffers {where}: this torch ({torch.__version__}) has no "
+                         f"FSDPModule.{method}")
+    for m in modules:
+        getattr(m, method)(*(() if where == "symm-mem" else (True,)))
+    return model
 
 
 def data_parallel_mesh(info: DistInfo, args: argparse.Namespace):

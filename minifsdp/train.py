@@ -105,6 +105,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="keep the parameter shards and their gradients in host memory: fsdp1, "
                    "torch_fsdp1 (torch's needs an accelerator); fsdp2, torch_fsdp2 "
                    "(CPUOffloadPolicy: the optimizer steps on the CPU too)")
+    p.add_argument("--comm-buffers", choices=["default", "process-group", "symm-mem"],
+                   default="default",
+                   help="fsdp2, torch_fsdp2: where every group's collective buffers come from: "
+                   "the process group's allocator "
+                   "(set_allocate_memory_from_process_group_for_comm), or symmetric memory "
+                   "(set_symm_mem_for_comm: CUDA and NCCL only); Note [comm buffers from the "
+                   "process group] in minifsdp/fsdp2/comm_buffers.py")
     p.add_argument("--full-batch", action="store_true",
                    help="with --strategy single: one backward over the whole global batch "
                    "instead of accumulating its --data-shards micro-batches "

@@ -9,7 +9,7 @@ from minifsdp.train import parse_args
 # a value each strict flag can be set to, other than its default
 SET = {"param_dtype": "bf16", "reduce_dtype": "bf16", "output_dtype": "bf16",
        "buffer_dtype": "bf16", "clip_grad_norm": "1", "forward_prefetch": "explicit",
-       "backward_prefetch": "explicit", "hsdp": "2"}
+       "backward_prefetch": "explicit", "hsdp": "2", "comm_buffers": "process-group"}
 
 
 def test_every_strict_flag_has_a_value_here():
