@@ -63,6 +63,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from minifsdp.fsdp2.comm_buffers import (
     ProcessGroupAllocAllGather,
@@ -733,7 +734,10 @@ def load_full_state_dict(model: nn.Module, full: dict[str, torch.Tensor], strict
             dim = [isinstance(p, Shard) for p in cur.placements].index(True)  # the mesh's
             rows = chunk_on_dim(v.to(cur.device, cur.dtype), mesh.size(dim),
                                 cur.placements[dim].dim)[mesh.get_local_rank(dim)]
-            v = DTensor.from_local(rows, mesh, cur.placements, run_check=False,
-                                   shape=cur.shape, stride=cur.stride())
+            # from a spec, not DTensor.from_local, which would move an offloaded shard's
+            # rows to the mesh's device (FSDPParam.to_sharded_dtensor says more)
+            meta = TensorMeta(cur.shape, cur.stride(), rows.dtype)
+            v = DTensor(rows, DTensorSpec(mesh, tuple(cur.placements), tensor_meta=meta),
+                        requires_grad=False)
         sharded[k] = v
     return model.load_state_dict(sharded, strict=strict)
