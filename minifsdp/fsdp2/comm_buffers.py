@@ -1,7 +1,10 @@
-"""Where a group's collective buffers come from: the process group's own allocator, or
-symmetric memory (torch 2.14's ``ProcessGroupAlloc*`` and ``SymmMem*`` comms), and how many
-reduce-scatter inputs may be in flight. ``FSDPModule.set_allocate_memory_from_process_group_
-for_comm``, ``set_symm_mem_for_comm`` and ``set_reduce_scatter_max_input_buffers``.
+"""Where a group's collective buffers come from -- the process group's own allocator, or
+symmetric memory (torch 2.14's ``ProcessGroupAlloc*`` and ``SymmMem*`` comms) -- and how many
+reduce-scatter inputs may be in flight. The three ``FSDPModule`` setters::
+
+    m.set_allocate_memory_from_process_group_for_comm(True)   # this module's group
+    m.set_symm_mem_for_comm()                                  # CUDA + NCCL only
+    model.set_reduce_scatter_max_input_buffers(2)              # every group below model
 
 Note [comm buffers from the process group] (torch: ``ProcessGroupAllocMixin`` in
 ``_fsdp_collectives.py``): the all-gather buffer and the reduce-scatter's input and output
@@ -25,8 +28,9 @@ the call on a CPU mesh and fails at the first forward ("SymmetricMemory MemPool 
 backend for device type cpu"); ours refuses at the call, naming the module. The all-gather
 always moves to symmetric memory; the reduce-scatter only when the group reduces with SUM
 (``set_force_sum_reduction_for_comms(True)`` before this call: NCCL's symmetric
-reduce-scatter sums only), as torch's. (The CUDA path is torch's code path, run by
-``minifsdp.gpucheck`` where a GPU machine is lent; CI has none.)
+reduce-scatter sums only), as torch's. (The CUDA path follows torch's code and has not run
+yet: ``minifsdp.gpucheck``'s pair "fsdp2 fp32, symmetric memory" runs it where a GPU machine
+is lent; CI has none. So does the pair for the process group's allocator, which NCCL has.)
 
 Note [reduce-scatter inputs in flight] (torch: ``FSDPParamGroup.post_backward`` and the root's
 final callback): torch copies a group's gradients in on the compute stream and reduce-scatters
