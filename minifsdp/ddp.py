@@ -205,9 +205,10 @@ class BucketedDDP(nn.Module):
 
     Args:
         module: the model, built identically on every rank; rank 0's weights win.
-        bucket_cap_mb: bucket size in MiB (torch's default, 25; torch also makes its first
-            bucket 1 MiB, which we do not). Smaller: more, earlier all-reduces (more overlap,
-            more per-call latency); larger: fewer, later ones.
+        bucket_cap_mb: bucket size in MiB (torch's default, 25; torch, when its
+            ``bucket_cap_mb`` is left unset, also caps its first bucket at 1 MiB, which we do
+            not). Smaller: more, earlier all-reduces (more overlap, more per-call latency);
+            larger: fewer, later ones.
         find_unused_parameters: if False, a parameter without a gradient in a synced backward is
             an error on every rank; if True, it counts as zero (Note [unused parameters]).
         process_group: the ranks to average over (default: all).
