@@ -71,7 +71,7 @@ CHAPTERS: dict[str, Chapter] = {c.id: c for c in [
             _m("fsdp2/prefetch", "simulated_link"), _t("test_fsdp2_prefetch",
                                                         "test_simulated_link",
                                                         "test_exercises_06"),
-            _w("fsdp2_prefetch_worker"), lab="06"),
+            _w("fsdp2_prefetch_worker"), _m("demos/backward_gathers"), lab="06"),
     Chapter("07", "Mixed precision", "notebooks/07_mixed_precision.ipynb",
             _m("fsdp2/mixed_precision", "fsdp2/float8", "numerics"),
             _t("test_fsdp2_mixed_precision", "test_fsdp2_float8", "test_numerics",
