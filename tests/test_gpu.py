@@ -59,6 +59,8 @@ def test_the_check_ran_on_nccl_and_cuda(check):
 def test_ours_against_torch_at_world_size_one(check, name):
     p = _pair(check, name)
     assert "error" not in p, f"{name}: {p.get('error')}"  # a cuda_only pair's exception
+    if "skipped" in p:  # this torch has no such setter
+        pytest.skip(f"{name}: {p['skipped']}")
     where = (f"max abs diff {p['max_abs_diff']:.2e}, {p['elements_differing']} of "
              f"{p['elements']} elements differ, the most in {p['worst_param']}; first loss "
              f"difference at step {p['first_loss_diff_step']}; foreach ours/torch {p['foreach']}")
@@ -82,6 +84,8 @@ def test_fsdp1_is_deterministic_with_itself(check):
 def test_tracker_and_allocator_both_see_the_step(check, name):
     p = _pair(check, name)
     assert "error" not in p, f"{name}: {p.get('error')}"
+    if "skipped" in p:
+        pytest.skip(f"{name}: {p['skipped']}")
     for side, mem in zip(("ours", "torch"), p["memory"]):
         assert mem["tracker_delta"] > 0 and mem["allocator_delta"] > 0, (side, mem)
 

@@ -366,3 +366,8 @@ def test_a_failed_cuda_only_pair_is_reported_and_fails_the_check():
            "pairs": [{"name": "fsdp2 fp32, symmetric memory", "error": "RuntimeError: boom"}]}
     assert not passed(res)
     assert "- fsdp2 fp32, symmetric memory: FAILED, RuntimeError: boom" in report(res)
+    # a torch without the setter: said, not failed
+    res["pairs"] = [{"name": "fsdp2 fp32, symmetric memory",
+                     "skipped": "ValueError: ... this torch (2.11) has no FSDPModule.x"}]
+    assert passed(res)
+    assert "- fsdp2 fp32, symmetric memory: skipped, ValueError" in report(res)
