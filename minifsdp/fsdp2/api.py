@@ -364,7 +364,8 @@ class FSDPModule:
         registered memory, zero-copy collectives); gloo has none, so on CPU the buffers, bytes
         and values are the defaults' (Note [comm buffers from the process group] in
         ``comm_buffers.py``). ``False``: the defaults again. This module's group only, as
-        torch's; refused after a custom comm, as torch's::
+        torch's; refused after a custom comm, as torch's, and given a non-bool (torch takes
+        its truth)::
 
             for m in model.modules():
                 if isinstance(m, FSDPModule):
