@@ -27,6 +27,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from jobs import Job, fixture_of
+from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
 from minifsdp import analytic, parity
@@ -563,6 +564,25 @@ def test_frozen_first_layer_needs_the_input_barrier(mesh, monkeypatch):
         F.cross_entropy(model()(x), y).backward()
 
 
+def test_fsdp_module_methods_have_torchs_signatures():
+    """Every public FSDPModule method of torch's exists in ours with the same parameters: names,
+    order, kinds (positional or keyword-only) and defaults; a call written for torch's binds
+    to ours. (Annotations are not compared: ours name fewer torch types.)"""
+    import inspect
+
+    from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
+
+    def params(f):
+        return [(p.name, p.kind, p.default) for p in inspect.signature(f).parameters.values()]
+
+    names = [n for n in dir(TorchFSDPModule) if not n.startswith("_")
+             and callable(getattr(TorchFSDPModule, n))]
+    assert len(names) >= 23
+    for n in names:
+        assert hasattr(FSDPModule, n), n
+        assert params(getattr(FSDPModule, n)) == params(getattr(TorchFSDPModule, n)), n
+
+
 def test_class_swap_and_errors(mesh):
     model = small_model()
     fully_shard(model[0], mesh=mesh)
@@ -572,9 +592,17 @@ def test_class_swap_and_errors(mesh):
     assert type(model[1:]) is nn.Sequential  # containers build the original class
     with pytest.raises(ValueError, match="already applied"):
         fully_shard(model, mesh=mesh)
-    for not_a_bool in (2, 1, None):  # torch 2.14 refuses these too (an int k: fully_shard only)
+    ref = small_model()
+    torch_fully_shard(ref[0], mesh=mesh)
+    torch_fully_shard(ref, mesh=mesh)
+    for not_a_bool in (2, 1, None):  # an int k is fully_shard's argument only, in both
         with pytest.raises(ValueError, match="should be a bool"):
             model.set_reshard_after_forward(not_a_bool)
+        with pytest.raises(ValueError, match="should be a bool"):
+            ref.set_reshard_after_forward(not_a_bool)
+    model.set_reshard_after_forward(False, False)  # recurse is positional, as in torch
+    assert not model._groups(False)[0].reshard_after_forward
+    assert model[0]._groups(False)[0].reshard_after_forward is not False  # not recursed into
     model.set_reshard_after_forward(False)
     assert not model[0]._groups(True)[0].reshard_after_forward
     with pytest.raises(ValueError, match="0-d parameter"):
@@ -729,7 +757,6 @@ def test_cpu_offload_pin_memory_needs_cuda_as_in_torch(mesh):
     and ours refuses up front, naming the fix; both leave the module unsharded. With one, both
     pin. Something that is not an ``OffloadPolicy`` is refused (torch ignores it)."""
     from torch.distributed.fsdp import CPUOffloadPolicy as TorchCPUOffloadPolicy
-    from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
     from minifsdp.fsdp2 import CPUOffloadPolicy, OffloadPolicy
 

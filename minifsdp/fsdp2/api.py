@@ -210,7 +210,7 @@ class FSDPModule:
         for group in self._groups(recurse):
             group.reshard_after_backward = reshard_after_backward
 
-    def set_reshard_after_forward(self, reshard_after_forward: bool, *,
+    def set_reshard_after_forward(self, reshard_after_forward: bool,
                                   recurse: bool = True) -> None:
         """Change ``fully_shard``'s ``reshard_after_forward`` at run time (the root's too), e.g.
         ``False`` for evaluation and back to ``True`` for training. A bool only, as torch 2.14's
