@@ -720,6 +720,21 @@ def test_worker_backward_options_are_torchs(worker):
                 assert f"{arg} should be a bool" in cases["errors"][method], cases["errors"]
 
 
+def test_worker_forward_method_is_torchs(worker):
+    """``register_fsdp_forward_method(root, "score")`` at N = 2 and 3 (``mid`` has 2 rows: an
+    empty shard at 3), with a ``forward`` that raises: training through the method is torch's
+    bit for bit (losses, parameters) and so is its ``no_grad`` output; and it is a forward, the
+    same bits and the same collectives as the same model trained through ``forward``."""
+    for ranks in worker.values():
+        for r in ranks:
+            case = r["forward_method"]
+            for other in ("torch", "ours_forward"):
+                c = case[other]
+                assert c["params"] is None and c["eval"] is None, (other, c)
+                assert c["losses_equal"], other
+            assert case["ours_forward"]["ops_equal"]
+
+
 def test_worker_cpu_offload_is_torchs(worker):
     """``offload_policy=CPUOffloadPolicy(pin_memory=False)`` (Note [FSDP2 CPU offload]) at N =
     2 and 3, on a net with uneven and empty shards, a frozen layer and an unused parameter:

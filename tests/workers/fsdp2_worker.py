@@ -290,11 +290,13 @@ def state_dicts() -> dict:
 
 class Branchy(nn.Module):
     """``(B, 8) -> (B, 3)`` whose ``expert`` only rank 0 runs (a mixture-of-experts route):
-    Note [unused parameters in a group]."""
+    Note [unused parameters in a group]. The expert's bottleneck has 2 rows, so at N = 3 its
+    first layer's shards are 1, 1 and 0 rows: the unused parameter has an empty shard."""
 
     def __init__(self):
         super().__init__()
-        self.inp, self.expert, self.head = nn.Linear(8, 16), nn.Linear(16, 16), nn.Linear(16, 3)
+        self.inp, self.head = nn.Linear(8, 16), nn.Linear(16, 3)
+        self.expert = nn.Sequential(nn.Linear(16, 2), nn.Tanh(), nn.Linear(2, 16))
 
     def forward(self, x):
         h = torch.tanh(self.inp(x))
@@ -499,12 +501,13 @@ def option_case(make, shard_fn, configure, micro: int = 1) -> dict:
 
 class Chain(nn.Module):
     """``(B, 8) -> (B, 3)``: three ``Linear`` units under a root with no parameters of its own,
-    so the last group of a forward is a block that its backward reshards."""
+    so the last group of a forward is a block that its backward reshards. The middle one has 2
+    rows: an empty shard at N = 3."""
 
     def __init__(self):
         super().__init__()
-        self.layers = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(),
-                                    nn.Linear(16, 3))
+        self.layers = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 2), nn.Tanh(),
+                                    nn.Linear(2, 3))
 
     def forward(self, x):
         return self.layers(x)
@@ -512,11 +515,12 @@ class Chain(nn.Module):
 
 class Embedder(nn.Module):
     """``(B, 8) -> (B, 3)`` through an embedding of the first feature's bucket: the input (token
-    ids) needs no gradient, so the embedding's backward does not read its weight."""
+    ids) needs no gradient, so the embedding's backward does not read its weight. ``mid`` has 2
+    rows: an empty shard at N = 3."""
 
     def __init__(self):
         super().__init__()
-        self.emb, self.mid, self.head = nn.Embedding(10, 16), nn.Linear(16, 16), nn.Linear(16, 3)
+        self.emb, self.mid, self.head = nn.Embedding(10, 16), nn.Linear(16, 2), nn.Linear(2, 3)
 
     def forward(self, x):
         ids = (x[:, 0] * 3).floor().clamp(-5, 4).long() + 5
@@ -562,6 +566,57 @@ def backward_options() -> dict:
             lambda m, i, micro: m.emb.set_unshard_in_backward(False)),
         "errors": errors,
     }
+
+
+class Scorer(Embedder):
+    """``Embedder`` whose entry point is ``score``, not ``forward`` (a ``generate``-like method
+    that calls the layers itself). ``forward`` raises, so nothing can reach it by accident."""
+
+    def forward(self, x):
+        raise RuntimeError("Scorer: call score(), not forward()")
+
+    def score(self, x):
+        return Embedder.forward(self, x)
+
+
+def forward_method() -> dict:
+    """``register_fsdp_forward_method(root, "score")`` (Note [forward methods]), ours and
+    torch's, against ours trained through ``forward`` (``Embedder``): 3 Adam steps through the
+    method, then its output under ``no_grad``. Registered, a method is a forward: the same bits
+    as torch's and as ``forward``'s, and the same collectives as ``forward``'s."""
+    from torch.distributed.fsdp import register_fsdp_forward_method as torch_register
+
+    out = {}
+    for name, fs, reg, cls in (("ours", fsdp2.fully_shard, fsdp2.register_fsdp_forward_method,
+                                Scorer),
+                               ("torch", torch_fully_shard, torch_register, Scorer),
+                               ("ours_forward", fsdp2.fully_shard, None, Embedder)):
+        model = shard_embedder(seeded(cls)(), fs)
+        if reg is not None:
+            reg(model, "score")  # replaces the bound method: look it up after this
+        call = model.__call__ if reg is None else model.score
+        opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+        losses = []
+        with recording_collectives() as ops:
+            for step in range(STEPS):
+                x, y = batch(step, 0)
+                loss = F.cross_entropy(call(x.chunk(N)[rank]), y.chunk(N)[rank])
+                loss.backward()
+                losses.append(loss.item())
+                opt.step()
+                opt.zero_grad()
+            with torch.no_grad():
+                evaluated = call(batch(STEPS, 0)[0].chunk(N)[rank])
+        out[name] = {"losses": losses, "params": full_params(model), "ops": list(ops),
+                     "eval": evaluated}
+    ours = out["ours"]
+    return {k: {"params": divergence_line(ours["params"], out[k]["params"],
+                                          names=("fsdp2", k), where=AT),
+                "eval": divergence_line(ours["eval"], out[k]["eval"], names=("fsdp2", k),
+                                        where=f"{AT}, no_grad output"),
+                "losses_equal": ours["losses"] == out[k]["losses"],
+                "ops_equal": ours["ops"] == out[k]["ops"]}
+            for k in ("torch", "ours_forward")}
 
 
 @contextlib.contextmanager
@@ -679,6 +734,7 @@ out = {
     "ignored_params": ignored_params(),
     "reset_after_exception": reset_after_exception(),
     "backward_options": backward_options(),
+    "forward_method": forward_method(),
     "offload": offload(),
 }
 finish(out)
