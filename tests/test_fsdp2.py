@@ -642,12 +642,15 @@ def test_worker_reduction_options_are_torchs(worker):
     force-sum needs NCCL's PREMUL_SUM, which both refuse on gloo; a factor of N changes
     nothing, force-sum (a post-division instead of AVG) and 2.5 do; an all-reduce hook runs
     where torch's does (an add before the post-division tells); with
-    ``set_reduce_scatter_unused_params`` an expert that only rank 0 runs trains as torch's."""
+    ``set_reduce_scatter_unused_params`` an expert that only rank 0 runs trains as torch's;
+    ZeRO++'s qgZ (``QuantizedReduceScatter``, int4 and int8, Note [qgZ]) as a custom
+    reduce-scatter trains as torch's with it, and int4 drifts further from fp32 than int8."""
     for ranks in worker.values():
         for r in ranks:
             cases = r["reduction_options"]
             for name in ("default", "factor_n", "force_sum", "factor_2.5_force_sum",
-                         "unused_reduced", "all_reduce_hook", "hook_force_sum"):
+                         "unused_reduced", "all_reduce_hook", "hook_force_sum", "qgz_int4",
+                         "qgz_int8"):
                 case = cases[name]
                 assert case["errors"] == {"ours": None, "torch": None}, (name, case["errors"])
                 assert case["vs_torch"] is None and case["losses_equal"], (name, case["vs_torch"])
@@ -657,6 +660,7 @@ def test_worker_reduction_options_are_torchs(worker):
             assert cases["factor_2.5_force_sum"]["off_default"] > 1e-3
             assert cases["all_reduce_hook"]["off_default"] > 1e-3
             assert cases["hook_force_sum"]["off_default"] > 1e-3
+            assert cases["qgz_int4"]["off_default"] > cases["qgz_int8"]["off_default"] > 0
 
 
 def test_worker_ignored_params_are_torchs(worker):
@@ -733,6 +737,18 @@ def test_worker_forward_method_is_torchs(worker):
                 assert c["params"] is None and c["eval"] is None, (other, c)
                 assert c["losses_equal"], other
             assert case["ours_forward"]["ops_equal"]
+
+
+def test_worker_zeropp_qwz_is_torchs(worker):
+    """ZeRO++'s qwZ (Note [qwZ]) at N = 2 and 3: ours and torch's ``fully_shard`` driving the
+    same int8 all-gather hooks train to the same bits in bf16 compute, and the quantization
+    acts (ours without it differs). qgZ on uneven and empty shards is in the reduction-options
+    test; hpZ needs N >= 4 (a proper divisor), chapter 12's launch."""
+    for ranks in worker.values():
+        for r in ranks:
+            case = r["qwz"]
+            assert case["vs_torch"] is None and case["losses_equal"], case
+            assert case["off_bf16"] > 0, case
 
 
 def test_worker_cpu_offload_is_torchs(worker):

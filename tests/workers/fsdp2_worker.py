@@ -19,12 +19,14 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMixedPrecisionPolicy
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.debug import CommDebugMode
 
-from minifsdp import comm, fsdp2
+from minifsdp import comm, fsdp2, zeropp
 from minifsdp.dist import dist_setup, finish
+from minifsdp.fsdp2.extensions import OnTorch
 from minifsdp.gpucheck import offload_moves
 from minifsdp.models import GPT, GPTConfig
 from minifsdp.parity import divergence_line, max_abs_diff
@@ -350,12 +352,61 @@ def reduction_options() -> dict:
         "all_reduce_hook": reduction_case(lambda m: m.set_all_reduce_hook(lambda g: g.mul_(0.75))),
         "unused_reduced": reduction_case(lambda m: m.set_reduce_scatter_unused_params(True),
                                          make=branchy, shard_fn=lambda m, fs: fs(m, mesh=mesh)),
+        # ZeRO++'s qgZ (Note [qgZ]) as a custom reduce-scatter on Net's uneven and empty shards
+        "qgz_int4": reduction_case(lambda m: m.set_custom_reduce_scatter(
+            zeropp.QuantizedReduceScatter(bits=4))),
+        "qgz_int8": reduction_case(lambda m: m.set_custom_reduce_scatter(
+            zeropp.QuantizedReduceScatter(bits=8))),
     }
     default = cases["default"]["params"]
     for name, case in cases.items():  # did the option change anything? (max |ours - default|)
         p = case.pop("params")
         case["off_default"] = max_abs_diff(p, default) if p and name != "unused_reduced" else None
     return cases
+
+
+class TorchQuantizedWeight(OnTorch):
+    """``QuantizedWeight``'s hooks on torch's ``fully_shard`` (the oracle for qwZ)."""
+
+    ours = zeropp.QuantizedWeight
+
+
+def qwz() -> dict:
+    """ZeRO++'s qwZ (Note [qwZ]: int8 codes and fp32 block scales in the all-gather), ours and
+    torch's ``fully_shard`` driving the same hooks, 3 Adam steps in bf16 compute. qwZ needs dim
+    0 divisible by N, so the model is one whose rows (12, 6) divide over 2 and 3 ranks."""
+    out = {}
+    wrap = {"ours": zeropp.QuantizedWeight, "torch": TorchQuantizedWeight, "ours_bf16": None}
+    for name, fs, policy in (("ours", fsdp2.fully_shard, fsdp2.MixedPrecisionPolicy),
+                             ("torch", torch_fully_shard, TorchMixedPrecisionPolicy),
+                             ("ours_bf16", fsdp2.fully_shard, fsdp2.MixedPrecisionPolicy)):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 12), nn.Tanh(), nn.Linear(12, 6)).to(info.device)
+        for m in model.modules():
+            for attr, p in list(m.named_parameters(recurse=False)):
+                if wrap[name] is not None:
+                    setattr(m, attr, nn.Parameter(wrap[name](p.detach())))
+        kw = {"mesh": mesh, "mp_policy": policy(param_dtype=torch.bfloat16,
+                                                reduce_dtype=torch.float32)}
+        fs(model[0], **kw)
+        fs(model, **kw)
+        opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+        losses = []
+        for step in range(STEPS):
+            x, y = batch(step, 0)
+            loss = F.cross_entropy(model(x.chunk(N)[rank]), y.chunk(N)[rank])
+            loss.backward()
+            losses.append(loss.item())
+            opt.step()
+            opt.zero_grad()
+        # this rank's shards as plain fp32 tensors (full_tensor would gather the subclass)
+        out[name] = {"losses": losses, "params": {
+            k: torch.Tensor(v.to_local().detach()).float().clone()
+            for k, v in model.named_parameters()}}
+    return {"vs_torch": divergence_line(out["ours"]["params"], out["torch"]["params"],
+                                        names=("fsdp2", "torch"), where=AT),
+            "losses_equal": out["ours"]["losses"] == out["torch"]["losses"],
+            "off_bf16": max_abs_diff(out["ours"]["params"], out["ours_bf16"]["params"])}
 
 
 def ignored_params() -> dict:
@@ -735,6 +786,7 @@ out = {
     "reset_after_exception": reset_after_exception(),
     "backward_options": backward_options(),
     "forward_method": forward_method(),
+    "qwz": qwz(),
     "offload": offload(),
 }
 finish(out)
