@@ -26,7 +26,6 @@ from torch.distributed.tensor.debug import CommDebugMode
 
 from minifsdp import comm, fsdp2, zeropp
 from minifsdp.dist import dist_setup, finish
-from minifsdp.fsdp2.extensions import OnTorch
 from minifsdp.gpucheck import offload_moves
 from minifsdp.models import GPT, GPTConfig
 from minifsdp.parity import divergence_line, max_abs_diff
@@ -365,40 +364,25 @@ def reduction_options() -> dict:
     return cases
 
 
-class TorchQuantizedWeight(OnTorch):
-    """``QuantizedWeight``'s hooks on torch's ``fully_shard`` (the oracle for qwZ)."""
-
-    ours = zeropp.QuantizedWeight
-
-
 def qwz() -> dict:
     """ZeRO++'s qwZ (Note [qwZ]: int8 codes and fp32 block scales in the all-gather), ours and
     torch's ``fully_shard`` driving the same hooks, 3 Adam steps in bf16 compute. qwZ needs dim
     0 divisible by N, so the model is one whose rows (12, 6) divide over 2 and 3 ranks."""
+    from minifsdp.demos.zeropp import torch_qwz  # QuantizedWeight's hooks on torch's
+
     out = {}
-    wrap = {"ours": zeropp.QuantizedWeight, "torch": TorchQuantizedWeight, "ours_bf16": None}
-    for name, fs, policy in (("ours", fsdp2.fully_shard, fsdp2.MixedPrecisionPolicy),
-                             ("torch", torch_fully_shard, TorchMixedPrecisionPolicy),
-                             ("ours_bf16", fsdp2.fully_shard, fsdp2.MixedPrecisionPolicy)):
+    for name, fs, policy, quantize in (
+            ("ours", fsdp2.fully_shard, fsdp2.MixedPrecisionPolicy, zeropp.enable_qwz),
+            ("torch", torch_fully_shard, TorchMixedPrecisionPolicy, torch_qwz),
+            ("ours_bf16", fsdp2.fully_shard, fsdp2.MixedPrecisionPolicy, lambda m: None)):
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(8, 12), nn.Tanh(), nn.Linear(12, 6)).to(info.device)
-        for m in model.modules():
-            for attr, p in list(m.named_parameters(recurse=False)):
-                if wrap[name] is not None:
-                    setattr(m, attr, nn.Parameter(wrap[name](p.detach())))
+        quantize(model)
         kw = {"mesh": mesh, "mp_policy": policy(param_dtype=torch.bfloat16,
                                                 reduce_dtype=torch.float32)}
         fs(model[0], **kw)
         fs(model, **kw)
-        opt = torch.optim.Adam(model.parameters(), lr=1e-2)
-        losses = []
-        for step in range(STEPS):
-            x, y = batch(step, 0)
-            loss = F.cross_entropy(model(x.chunk(N)[rank]), y.chunk(N)[rank])
-            loss.backward()
-            losses.append(loss.item())
-            opt.step()
-            opt.zero_grad()
+        losses = train(model, torch.optim.Adam(model.parameters(), lr=1e-2), True)[0]
         # this rank's shards as plain fp32 tensors (full_tensor would gather the subclass)
         out[name] = {"losses": losses, "params": {
             k: torch.Tensor(v.to_local().detach()).float().clone()
