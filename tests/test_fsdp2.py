@@ -1073,6 +1073,38 @@ def test_worker_shard_placement_fn_hsdp_and_reshard_to_k(launched, n):
         assert "w_in (Shard(2)), w_out (Shard(1))" in k["ours"][2], k
 
 
+@pytest.mark.parametrize("n", [shard_dim_param(4)])
+def test_worker_hpz_on_uneven_and_empty_shards_is_torchs(launched, n):
+    """ZeRO++'s hpZ (``reshard_after_forward=2``, Note [reshard to k ranks] in ``hsdp.py``)
+    at N = 4 on Net with every parameter on dim 0, so its rows cut unevenly and leave empty
+    shards (rank 3 holds no row of any parameter). In fp32 and in bf16: layouts, losses,
+    gradients and parameters equal torch's bit for bit on every rank, and ours' full
+    parameters equal ZeRO-3's (True). The proof that hpZ acted is in ours' collectives: each
+    step's two backward all-gathers run over 2 ranks instead of 4."""
+    for r in shard_dim_ranks(launched, n):
+        for name in ("hpz", "hpz_bf16"):
+            case = r[name]
+            assert case["placements_equal"] and case["shapes_equal"], name
+            assert case["grad_placements_equal"], name
+            for key in ("local_vs_torch", "full_vs_unsharded", "losses_vs_torch",
+                        "grads_vs_torch", "params_vs_torch", "full_vs_torch", "vs_zero3"):
+                assert case[key] is None, (name, key, case[key])
+            steps, groups = 3, 2
+            assert case["collectives"] == {"all_gather over 4": steps * groups,
+                                           "all_gather over 2": steps * groups,
+                                           "reduce_scatter over 4": steps * groups}, name
+            assert case["zero3_collectives"] == {"all_gather over 4": 2 * steps * groups,
+                                                 "reduce_scatter over 4": steps * groups}
+            rows = {k: s[0] for k, s in case["local_shapes"].items()}
+            if r["rank"] == 3:
+                assert set(rows.values()) == {0}, rows
+            if r["rank"] == 2:
+                assert rows["out.weight"] == 1 and rows["gate.weight"] == 0, rows
+        fp32 = r["hpz"]
+        assert fp32["losses_vs_single"] is None, fp32["losses_vs_single"]
+        assert fp32["ours_vs_single"] <= RELATIVE_TO_TORCH * fp32["torch_vs_single"]
+
+
 def test_shard_placement_fn_in_a_world_of_one(mesh):
     """At N = 1 a Shard(1) parameter is its whole self (placement ``Shard(1)``) and trains
     as the plain model does; refused before any parameter is replaced: torch's per-parameter

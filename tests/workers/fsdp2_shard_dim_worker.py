@@ -1,6 +1,7 @@
 """Worker for tests/test_fsdp2.py: ``fully_shard(..., shard_placement_fn=...)`` (Note [Shard(i)
 layout] in minifsdp/fsdp2/shard_placement.py), ours against torch's, at N = 2 and 3; at N = 4
-only what needs 4 ranks: a 2 x 2 HSDP mesh, and ``reshard_after_forward=2``.
+only what needs 4 ranks: a 2 x 2 HSDP mesh, and ``reshard_after_forward=2`` (refused with
+Shard(i); ZeRO++'s hpZ on dim 0, against torch and against ZeRO-3).
 
 ``Net`` mixes, in each of its two groups, parameters cut on dim 0 with ones cut on dim 1 and
 on the last dim: stacked experts ``w_in (2, 8, 12)`` on Shard(-1) and ``w_out (2, 12, 8)`` on
@@ -11,6 +12,8 @@ Reports raw results; the test asserts on them. Each comparison is the first dive
 (None: bit for bit).
 """
 
+from collections import Counter
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -19,7 +22,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy as TorchPolicy
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from minifsdp import fsdp2
+from minifsdp import comm, fsdp2
 from minifsdp.dist import dist_setup, finish
 from minifsdp.parity import divergence_line, max_abs_diff
 
@@ -76,10 +79,12 @@ def placement_fn(model: nn.Module):
     return lambda p: chosen.get(p)
 
 
-def shard(model: Net, fully_shard, mp: dict | None = None, on=None, **kw) -> Net:
-    """``experts``, then the root, each with ``placement_fn``, on ``on`` (default: the 1-D
-    mesh); ``mp``: the fields of a ``MixedPrecisionPolicy``, in ours or torch's class."""
-    fn = placement_fn(model)
+def shard(model: Net, fully_shard, mp: dict | None = None, on=None, dim0: bool = False,
+          **kw) -> Net:
+    """``experts``, then the root, each with ``placement_fn`` (``dim0``: without, so every
+    parameter on dim 0), on ``on`` (default: the 1-D mesh); ``mp``: the fields of a
+    ``MixedPrecisionPolicy``, in ours or torch's class."""
+    fn = None if dim0 else placement_fn(model)
     if mp:
         cls = fsdp2.MixedPrecisionPolicy if fully_shard is fsdp2.fully_shard else TorchPolicy
         kw["mp_policy"] = cls(**mp)
@@ -140,7 +145,8 @@ def parity(**kw) -> dict:
     """Ours and torch's ``fully_shard`` with ``shard_placement_fn`` (and ``kw``), trained
     alike: the layouts at init, then losses, gradients and parameters step by step; and the
     full parameters, at init against the unsharded model and after training against a
-    one-process run (fp32 only)."""
+    one-process run (fp32 only). Also ours' collectives over the 3 steps, counted by (op,
+    group size), and (key ``_full``, not for JSON) ours' full parameters after training."""
     unsharded = net()
     init = {k: p.detach().clone() for k, p in unsharded.named_parameters()}
     ours, theirs = shard(net(), fsdp2.fully_shard, **kw), shard(net(), torch_fully_shard, **kw)
@@ -148,7 +154,9 @@ def parity(**kw) -> dict:
                      "shapes": {k: list(p.shape) for k, p in m.named_parameters()}}
               for name, m in (("ours", ours), ("torch", theirs))}
     full_init = full(ours)
-    run = {"ours": train(ours, True), "torch": train(theirs, True)}
+    with comm.logging_comm() as log:
+        run = {"ours": train(ours, True)}
+    run["torch"] = train(theirs, True)
     single = None if kw.get("mp") else train(unsharded, False)
     o, t = run["ours"], run["torch"]
 
@@ -170,6 +178,8 @@ def parity(**kw) -> dict:
         "params_vs_torch": line(o["params"], t["params"]),
         "full_vs_torch": line(full(ours), full(theirs)),
         "dtypes": sorted({str(v.dtype) for v in o["grads"][-1].values()}),
+        "collectives": dict(Counter(f"{c.op} over {c.group_size}" for c in log.comms())),
+        "_full": full(ours),
     }
     if single is not None:
         mine, torchs, ref = full(ours), full(theirs), full(unsharded)
@@ -256,15 +266,35 @@ def reshard_to_k(k: int) -> dict:
     return out
 
 
+def hpz(mp: dict | None = None) -> dict:
+    """ZeRO++'s hpZ, ``reshard_after_forward=2`` at N = 4 on both groups, every parameter on
+    dim 0, so Net's rows cut unevenly and leave empty shards (at N = 4: ``w_in``, ``e_bias``,
+    ``w_out``, ``gate`` 2 rows -> 1, 1, 0, 0; ``mix`` 6 -> 2, 2, 2, 0; ``out`` 5 -> 2, 2, 1,
+    0; ``head`` 3 -> 1, 1, 1, 0). ``parity`` with k = 2 and with ZeRO-3 (True), and the first
+    divergence of the two's full parameters after training: an all-gather only copies, so
+    hpZ == ZeRO-3."""
+    k, zero3 = (parity(reshard_after_forward=r, dim0=True, mp=mp) for r in (2, True))
+    k["vs_zero3"] = divergence_line(k.pop("_full"), zero3.pop("_full"),
+                                    names=("hpZ", "ZeRO-3"), where=AT)
+    k["zero3_collectives"] = zero3["collectives"]
+    return k
+
+
+def cases(**named: dict) -> dict:
+    """Each case's result without its ``_full`` parameters (not JSON)."""
+    return {name: {k: v for k, v in case.items() if k != "_full"} for name, case in named.items()}
+
+
 if N == 4:  # HSDP (2 x 2) and reshard_after_forward=2: what needs 4 ranks
     hsdp = init_device_mesh(info.device.type, (2, 2), mesh_dim_names=("replicate", "shard"))
-    finish({"rank": rank, "world_size": N, "hsdp": parity(on=hsdp),
-            "reshard_to_k": reshard_to_k(2)})
+    finish({"rank": rank, "world_size": N, "reshard_to_k": reshard_to_k(2),
+            **cases(hsdp=parity(on=hsdp), hpz=hpz(),
+                    hpz_bf16=hpz({"param_dtype": torch.bfloat16,
+                                  "reduce_dtype": torch.bfloat16}))})
 out = {
     "rank": rank, "world_size": N,
-    "fp32": parity(),
-    "no_reshard_after_forward": parity(reshard_after_forward=False),
-    "bf16": parity(mp={"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32}),
+    **cases(fp32=parity(), no_reshard_after_forward=parity(reshard_after_forward=False),
+            bf16=parity(mp={"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32})),
     "state_dict": state_dicts(),
     "errors": errors(),
 }
