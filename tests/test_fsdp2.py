@@ -27,8 +27,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from jobs import Job, fixture_of
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from minifsdp import analytic, parity
 from minifsdp.fsdp2 import FSDPModule, ShardedState, chunk_dim0, fully_shard
@@ -581,6 +582,18 @@ def test_fsdp_module_methods_have_torchs_signatures():
     for n in names:
         assert hasattr(FSDPModule, n), n
         assert params(getattr(FSDPModule, n)) == params(getattr(TorchFSDPModule, n)), n
+
+
+def test_fully_shard_has_torchs_signature():
+    """All 8 of torch's ``fully_shard`` parameters, dp_mesh_dims last: names, order, kinds
+    and defaults (the policies' by their fields, since the classes are ours)."""
+    import inspect
+
+    def params(f):
+        return [(p.name, p.kind, repr(p.default)) for p in inspect.signature(f).parameters.values()]
+
+    assert params(fully_shard) == params(torch_fully_shard)
+    assert len(params(fully_shard)) == 8
 
 
 def test_class_swap_and_errors(mesh):
@@ -1139,3 +1152,113 @@ def test_shard_placement_fn_in_a_world_of_one(mesh):
     with pytest.raises(NotImplementedError, match="0.weight is a Parameter, an all-gather ext"):
         fully_shard(m, mesh=mesh, shard_placement_fn=lambda p: Shard(1) if p.ndim == 2 else None)
     assert dict(m.named_parameters()) == before and not isinstance(m, FSDPModule)
+
+
+# ---- dp_mesh_dims: parameters already DTensors on a larger mesh (Note [an SPMD mesh]) ---------
+
+SPMD_WORKER = str(Path(__file__).parent / "workers" / "fsdp2_spmd_worker.py")
+SPMD = {n: Job(f"spmd_{n}", SPMD_WORKER, n) for n in (2, 3, 4)}
+SPMD_CASES = {2: ("dp_tp",), 3: ("dp_tp",), 4: ("dp_tp", "dp_tp_bf16", "hsdp", "flattened")}
+
+
+def spmd_param(n: int):
+    return pytest.param(n, marks=pytest.mark.launches(SPMD[n]))
+
+
+@pytest.mark.parametrize("n", [spmd_param(2), spmd_param(3), spmd_param(4)])
+def test_worker_dp_mesh_dims_is_torchs(launched, n):
+    """``fully_shard(..., mesh=world, dp_mesh_dims=...)`` on a tensor-parallel Net whose
+    parameters are DTensors on the full mesh: (dp, tp) at N = 2, 3 (tp = 1) and (2, 2) at
+    N = 4 (real TP: column- and row-parallel layers, so gradients that are ``Partial()`` on
+    tp; also with bf16 parameters reduced in fp32), HSDP through ``replicate="rep"`` and two
+    shard dims flattened, each at N = 4. On every
+    rank: the sharded placements (``_StridedShard`` where tp cut the same dim first) and local
+    tensors at init, then over 3 Adam steps the losses, gradients (local tensors and
+    placements) and parameters equal torch's bit for bit; ``full_state_dict`` equals torch's
+    full parameters and loads back to the same bits; against one process (the plain model on
+    every DP rank's rows) no further than torch, bitwise at N = 2 (fp32). Net's rows leave
+    empty shards (``gate.weight``'s one row)."""
+    for r in launched[SPMD[n]].result().ranks:
+        for name in SPMD_CASES[n]:
+            case = r[name]
+            assert case["placements_equal"] and case["grad_placements_equal"], name
+            for key in ("local_vs_torch", "full_vs_unsharded", "losses_vs_torch",
+                        "grads_vs_torch", "params_vs_torch", "full_vs_torch", "round_trip"):
+                assert case[key] is None, (name, key, case[key])
+            assert case["ours_vs_single"] == case["torch_vs_single"], name
+            if not name.endswith("bf16"):
+                assert case["ours_vs_single"] < 1e-4, name
+            if n == 2:
+                assert case["ours_vs_single"] == 0.0
+            if r["rank"] == n - 1:  # the last DP rank: gate.weight's one row went to rank 0
+                assert case["local_shapes"]["gate.weight"] == [0, 8], name
+        tp4 = r.get("dp_tp") if n == 4 else None
+        if tp4:  # fc1 is cut by tp first, then by dp inside tp's piece
+            assert tp4["placements"]["fc1.weight"] == "(_StridedShard(dim=0, sf=2), Shard(dim=0))"
+            assert tp4["placements"]["fc2.weight"] == "(Shard(dim=0), Shard(dim=1))"
+            assert tp4["grad_placements"]["fc1.weight"] == tp4["placements"]["fc1.weight"]
+        if n == 4:  # bf16 acted: its rounding moves the parameters far more than fp32's
+            assert r["dp_tp_bf16"]["ours_vs_single"] > 100 * r["dp_tp"]["ours_vs_single"]
+            hsdp_head = r["hsdp"]["placements"]["head.weight"]
+            assert hsdp_head == "(Replicate(), Shard(dim=0), Replicate())"
+            assert r["flattened"]["placements"]["head.weight"] == "(Shard(dim=0), Replicate())"
+            assert r["flattened"]["dp_size"] == r["hsdp"]["dp_size"] == 4
+
+
+@pytest.mark.parametrize("n", [spmd_param(2)])
+def test_worker_dp_mesh_dims_refuses_what_torch_refuses(launched, n):
+    """Each refusal with torch's exception type and message (ours names the parameter's path
+    too): no dims, a plain parameter, one not ``Replicate()`` on a DP dim, one on another
+    mesh object, an unknown dim name, an int ``reshard_after_forward``. ``replicate`` alone
+    (torch's DDP through fully_shard) ours refuses by name; torch 2.14.1 refuses these
+    parameters too (a ValueError about mesh objects). A DTensor parameter without
+    ``dp_mesh_dims``: ours points to it."""
+    for r in launched[SPMD[n]].result().ranks:
+        errors = r["errors"]
+        for name in ("no_dims", "plain_param", "sharded_on_dp", "other_mesh", "unknown_name",
+                     "int_reshard"):
+            ours, theirs = errors[name]["ours"], errors[name]["torch"]
+            assert ours and theirs and ours[0] == theirs[0], (name, ours, theirs)
+            assert theirs[1] in ours[1], (name, ours, theirs)
+        assert errors["sharded_on_dp"]["ours"][1].startswith("weight: ")
+        ours, theirs = errors["replicate_only"]["ours"], errors["replicate_only"]["torch"]
+        assert ours[0] == "NotImplementedError" and "minifsdp.ddp" in ours[1] and theirs
+        ours = errors["dtensor_without_dims"]["ours"]
+        assert ours[0] == "ValueError" and "dp_mesh_dims=DataParallelMeshDims" in ours[1]
+
+
+def test_dp_mesh_dims_in_a_world_of_one(mesh):
+    """The doctests, and at N = 1 on a named (dp, tp) mesh of (1, 1): the sharded parameter
+    is the whole local tensor on the full mesh, ``Shard(0)`` on dp, and trains as the plain
+    model does, bit for bit; ours' ``DataParallelMeshDims`` refuses no dims as torch's does."""
+    import doctest
+
+    from torch.distributed.tensor import distribute_tensor
+
+    from minifsdp.fsdp2 import DataParallelMeshDims, spmd_mesh
+
+    assert doctest.testmod(spmd_mesh).failed == 0
+    with pytest.raises(ValueError, match="At least one of shard or replicate"):
+        DataParallelMeshDims()
+    world = init_device_mesh("cpu", (1, 1), mesh_dim_names=("dp", "tp"))
+    model, ref = small_model(), small_model()
+    for m in model:
+        for name, p in list(m.named_parameters()):
+            setattr(m, name, nn.Parameter(distribute_tensor(p.detach(), world,
+                                                            [Replicate(), Replicate()])))
+    fully_shard(model, mesh=world, dp_mesh_dims=DataParallelMeshDims(shard="dp"))
+    assert model[0].weight.placements == (Shard(0), Replicate())
+    assert model[0].weight.device_mesh is world
+    for m in (model, ref):
+        opt = torch.optim.Adam(m.parameters(), lr=1e-2)
+        for step in range(2):
+            torch.manual_seed(step)
+            x = torch.randn(5, 4)
+            if m is model:
+                x = DTensor.from_local(x, world, [Shard(0), Replicate()])
+            out = m(x)
+            (out.to_local() if isinstance(out, DTensor) else out).square().sum().backward()
+            opt.step()
+            opt.zero_grad()
+    assert_bitwise({k: v.full_tensor() for k, v in model.named_parameters()},
+                   dict(ref.named_parameters()), names=("fsdp2 dp_mesh_dims", "plain"))

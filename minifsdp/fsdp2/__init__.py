@@ -56,7 +56,8 @@ GPUs] (prefetch.py); [mixed precision], [gloo dtypes], [divide factor] (mixed_pr
 layout] (shard_placement.py: ``fully_shard(..., shard_placement_fn=...)``, a parameter cut on
 another dim than 0, as torch's ``Shard(i)``); [custom collectives] (custom_comm.py:
 ``set_custom_all_gather`` / ``set_custom_reduce_scatter``, torch's ``AllGather`` /
-``ReduceScatter`` protocols).
+``ReduceScatter`` protocols); [an SPMD mesh] (spmd_mesh.py: ``fully_shard(..., dp_mesh_dims=
+DataParallelMeshDims(shard="dp"))``, parameters already DTensors on a tensor-parallel mesh).
 
 CPU offload: ``fully_shard(m, mesh=mesh, offload_policy=CPUOffloadPolicy())`` -- shards,
 sharded gradients and the optimizer's state in CPU memory, copied to the device for each
@@ -75,6 +76,10 @@ in a ``uint8`` buffer (``extensions.py``, torch's ``fsdp_pre_all_gather`` /
 HSDP (chapter 09): ``fully_shard(m, mesh=init_device_mesh("cuda", (R, S), mesh_dim_names=(
 "replicate", "shard")))`` -- shards over S ranks, replicas over R, gradients reduce-scattered
 within a shard group and all-reduced across replicas (``hsdp.py``).
+
+After tensor parallelism: ``fully_shard(m, mesh=world, dp_mesh_dims=DataParallelMeshDims(shard=
+"dp"))`` on a ``("dp", "tp")`` mesh whose parameters are DTensors (``Replicate()`` on dp) cuts
+each rank's TP piece over dp; the module still computes with DTensors (``spmd_mesh.py``).
 """
 
 from minifsdp.fsdp2.api import (
@@ -91,9 +96,11 @@ from minifsdp.fsdp2.fsdp_state import FSDPState, register_fsdp_forward_method
 from minifsdp.fsdp2.hsdp import MeshInfo, mesh_info
 from minifsdp.fsdp2.mixed_precision import MixedPrecisionPolicy
 from minifsdp.fsdp2.prefetch import UnshardHandle
+from minifsdp.fsdp2.spmd_mesh import DataParallelMeshDims
 
 __all__ = [
-    "AllGather", "CPUOffloadPolicy", "FSDPModule", "FSDPParam", "FSDPParamGroup", "FSDPState",
+    "AllGather", "CPUOffloadPolicy", "DataParallelMeshDims", "FSDPModule", "FSDPParam",
+    "FSDPParamGroup", "FSDPState",
     "Float8Weight", "MeshInfo", "MixedPrecisionPolicy", "OffloadPolicy", "ReduceScatter",
     "ShardedState", "TrainingState", "UnshardHandle", "chunk_dim0", "enable_float8_all_gather",
     "full_state_dict", "fully_shard", "load_full_state_dict", "mesh_info",

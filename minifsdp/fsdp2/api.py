@@ -62,7 +62,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from minifsdp.fsdp2.comm_buffers import (
@@ -84,10 +84,11 @@ from minifsdp.fsdp2.custom_comm import (
 from minifsdp.fsdp2.fsdp_param import CPUOffloadPolicy, OffloadPolicy, Owners
 from minifsdp.fsdp2.fsdp_param_group import FSDPParamGroup
 from minifsdp.fsdp2.fsdp_state import FSDPState, listed_modules
-from minifsdp.fsdp2.hsdp import mesh_info, post_forward_info
+from minifsdp.fsdp2.hsdp import MeshInfo, mesh_info, post_forward_info
 from minifsdp.fsdp2.mixed_precision import MixedPrecisionPolicy, register_forward_casts
 from minifsdp.fsdp2.prefetch import UnshardHandle
 from minifsdp.fsdp2.shard_placement import chunk_on_dim, resolve_shard_dims
+from minifsdp.fsdp2.spmd_mesh import DataParallelMeshDims, SpmdParamLayout, spmd_mesh_info
 
 
 class FSDPModule:
@@ -531,7 +532,8 @@ def fully_shard(module: nn.Module | list[nn.Module], *, mesh: DeviceMesh | None 
                 shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None = None,
                 mp_policy: MixedPrecisionPolicy = _NO_MIXED_PRECISION,
                 offload_policy: OffloadPolicy = _NO_OFFLOAD,
-                ignored_params: set[nn.Parameter] | None = None
+                ignored_params: set[nn.Parameter] | None = None,
+                dp_mesh_dims: DataParallelMeshDims | None = None,
                 ) -> nn.Module | list[nn.Module]:
     """Shard ``module``'s parameters (those no nested ``fully_shard`` took) on dim 0 (or the
     dim ``shard_placement_fn`` picks) over ``mesh`` as one group, install the hooks, and
@@ -578,6 +580,14 @@ def fully_shard(module: nn.Module | list[nn.Module], *, mesh: DeviceMesh | None 
             gathered, their gradients not reduced (each rank keeps its own; a parent's call
             takes them unless it is given them too). E.g. a per-rank bias, or parameters
             another parallelism manages.
+        dp_mesh_dims: ``DataParallelMeshDims(shard=..., replicate=...)`` (ours or torch's),
+            naming the data-parallel dims of ``mesh``, which is then the full mesh the
+            parameters already live on as DTensors (tensor parallelism on the other dims):
+            each must be ``Replicate()`` on the named dims, and its local tensor is sharded
+            over the ``shard`` dims (several: flattened into one group), replicated over the
+            ``replicate`` dims (HSDP). Note [an SPMD mesh] in ``spmd_mesh.py``. Not with an int
+            ``reshard_after_forward`` (torch refuses it too), CPU offload or all-gather
+            extensions.
 
     Parameters must already be on the mesh's device, or on ``meta`` (Note [meta-device
     init]; under CPU offload, materialize them with ``to_empty(device="cpu")``). Frozen
@@ -611,7 +621,8 @@ def fully_shard(module: nn.Module | list[nn.Module], *, mesh: DeviceMesh | None 
     if mesh is None:
         device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
         mesh = init_device_mesh(device_type, (dist.get_world_size(),))
-    mesh_info(mesh)  # refuses a mesh that is neither FSDP's 1-D nor HSDP's 2-D, before changes
+    # refuses a mesh that is neither FSDP's 1-D nor HSDP's 2-D, or dims it lacks, before changes
+    info = mesh_info(mesh) if dp_mesh_dims is None else spmd_mesh_info(mesh, dp_mesh_dims)
     _check_offload_policy(offload_policy)
     params = _managed_params(roots, ignored_params or set())
     for p, owners in params:
@@ -619,9 +630,19 @@ def fully_shard(module: nn.Module | list[nn.Module], *, mesh: DeviceMesh | None 
             module_, name = owners[0]
             raise ValueError(f"{type(module_).__name__}.{name} is on {p.device}, the mesh on "
                              f"{mesh.device_type}: move the module to the device first")
-    shard_dims = _shard_dims(roots, params, shard_placement_fn, mesh, reshard_after_forward)
+        if isinstance(p, DTensor) and dp_mesh_dims is None:
+            module_, name = owners[0]
+            raise ValueError(f"{type(module_).__name__}.{name} is already a DTensor (on mesh "
+                             f"{p.device_mesh.mesh_dim_names or tuple(p.device_mesh.shape)}, "
+                             f"{p.placements}): pass its full mesh as mesh= with dp_mesh_dims="
+                             "DataParallelMeshDims(shard=...) naming the data-parallel dims "
+                             "(Note [an SPMD mesh] in spmd_mesh.py)")
+    shard_dims = _shard_dims(roots, params, shard_placement_fn, info, reshard_after_forward)
+    if dp_mesh_dims is not None:
+        _check_spmd_params(roots, params, info, shard_dims, reshard_after_forward,
+                           offload_policy)
     name = ", ".join(type(m).__name__ for m in roots)  # until lazy init names it
-    group = FSDPParamGroup(params, mesh, reshard_after_forward, name, mp_policy,
+    group = FSDPParamGroup(params, info, reshard_after_forward, name, mp_policy,
                            offload_policy, shard_dims) if params else None
     state = FSDPState(roots, group)
     for m in roots:
@@ -648,21 +669,47 @@ def _check_offload_policy(policy: object) -> None:
                            "accelerator; pass CPUOffloadPolicy(pin_memory=False)")
 
 
+def _param_paths(roots: tuple[nn.Module, ...], params: list[tuple[nn.Parameter, Owners]]
+                 ) -> list[str]:
+    """Each parameter's path under the ``roots`` (e.g. ``blocks.0.attn.qkv.weight``)."""
+    paths: dict[nn.Parameter, str] = {}
+    for root in roots:
+        for name, p in root.named_parameters(remove_duplicate=False):
+            paths.setdefault(p, name)
+    return [paths.get(p, f"{type(o[0][0]).__name__}.{o[0][1]}") for p, o in params]
+
+
+def _check_spmd_params(roots, params, info: MeshInfo, shard_dims: list[int],
+                       reshard_after_forward, offload_policy) -> None:
+    """Under ``dp_mesh_dims``, refuse before any parameter is replaced what torch refuses
+    (an int ``reshard_after_forward``; a parameter that is not a DTensor on this mesh,
+    ``Replicate()`` on the DP dims) and what ours does not build (offload, extensions)."""
+    if not isinstance(reshard_after_forward, bool) and isinstance(reshard_after_forward, int):
+        raise NotImplementedError("reshard_after_forward as int is not yet supported with "
+                                  "SPMD mesh (dp_mesh_dims)")
+    if isinstance(offload_policy, CPUOffloadPolicy):
+        raise NotImplementedError("fully_shard: CPUOffloadPolicy with dp_mesh_dims is not "
+                                  "built in minifsdp (torch has it)")
+    for path, (p, _), d in zip(_param_paths(roots, params), params, shard_dims):
+        SpmdParamLayout(p, info, path, d)  # raises, naming the parameter
+        if hasattr(p, "fsdp_pre_all_gather"):
+            raise NotImplementedError(f"fully_shard: {path} is a {type(p).__name__} (an "
+                                      "all-gather extension); with dp_mesh_dims minifsdp "
+                                      "shards plain DTensor parameters only")
+
+
 def _shard_dims(roots: tuple[nn.Module, ...], params: list[tuple[nn.Parameter, Owners]],
-                shard_placement_fn, mesh: DeviceMesh, reshard_after_forward) -> list[int]:
+                shard_placement_fn, info: MeshInfo, reshard_after_forward) -> list[int]:
     """Each parameter's shard dim (``resolve_shard_dims``), errors naming its path under
     the ``roots``; and torch's one combination that fails later refused now: an int
     ``reshard_after_forward`` k keeps a flat 1/k of each unsharded parameter, which its
     backward all-gather over k ranks cannot lay out on a dim > 0 (torch 2.14: ``IndexError``
     in backward)."""
-    paths: dict[nn.Parameter, str] = {}
-    for root in roots:
-        for name, p in root.named_parameters(remove_duplicate=False):
-            paths.setdefault(p, name)
-    named = [(paths.get(p, f"{type(o[0][0]).__name__}.{o[0][1]}"), p) for p, o in params]
+    named = list(zip(_param_paths(roots, params), (p for p, _ in params)))
     where = ", ".join(type(m).__name__ for m in roots)
-    dims = resolve_shard_dims(named, shard_placement_fn, mesh_info(mesh).shard_size, where)
-    if any(dims) and post_forward_info(mesh_info(mesh), reshard_after_forward)[1] is not None:
+    dims = resolve_shard_dims(named, shard_placement_fn, info.shard_size, where)
+    if (any(dims) and info.spmd is None
+            and post_forward_info(info, reshard_after_forward)[1] is not None):
         on_dim = ", ".join(f"{path} (Shard({d}))" for (path, _), d in zip(named, dims) if d)
         raise NotImplementedError(
             f"fully_shard({where}): reshard_after_forward={reshard_after_forward} with "
@@ -691,7 +738,7 @@ def _managed_params(roots: tuple[nn.Module, ...], ignored: set[nn.Parameter]
         for name, p in module._parameters.items():
             if p is None or p in ignored:
                 continue
-            if getattr(p, "_fsdp2_sharded", False) or isinstance(p, DTensor):
+            if getattr(p, "_fsdp2_sharded", False):
                 raise ValueError(
                     f"{type(module).__name__}.{name} is shared with a module that an earlier "
                     "fully_shard already sharded; shard the modules that share a parameter in "
@@ -732,9 +779,14 @@ def load_full_state_dict(model: nn.Module, full: dict[str, torch.Tensor], strict
         cur = current.get(k)
         if isinstance(cur, DTensor):
             mesh = cur.device_mesh
-            dim = [isinstance(p, Shard) for p in cur.placements].index(True)  # the mesh's
-            rows = chunk_on_dim(v.to(cur.device, cur.dtype), mesh.size(dim),
-                                cur.placements[dim].dim)[mesh.get_local_rank(dim)]
+            cuts = [i for i, p in enumerate(cur.placements) if not isinstance(p, Replicate)]
+            if len(cuts) == 1 and type(cur.placements[cuts[0]]) is Shard:  # FSDP's, HSDP's
+                dim = cuts[0]  # the mesh's
+                rows = chunk_on_dim(v.to(cur.device, cur.dtype), mesh.size(dim),
+                                    cur.placements[dim].dim)[mesh.get_local_rank(dim)]
+            else:  # on an SPMD mesh (Note [an SPMD mesh]): DTensor cuts it, locally
+                rows = distribute_tensor(v.to(cur.device, cur.dtype), mesh, cur.placements,
+                                         src_data_rank=None).to_local()
             # from a spec, not DTensor.from_local, which would move an offloaded shard's
             # rows to the mesh's device (FSDPParam.to_sharded_dtensor says more)
             meta = TensorMeta(cur.shape, cur.stride(), rows.dtype)

@@ -121,6 +121,7 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from minifsdp.fsdp2.hsdp import MeshInfo, mesh_info
 from minifsdp.fsdp2.mixed_precision import MixedPrecisionPolicy, resolve_dtypes
 from minifsdp.fsdp2.shard_placement import chunk_on_dim, unsharded_to_shard_dim
+from minifsdp.fsdp2.spmd_mesh import SpmdParamLayout
 from minifsdp.memory import tag
 
 # (module, attribute name) pairs that hold one parameter: more than one when it is shared,
@@ -219,15 +220,24 @@ class FSDPParam:
         if param.dim() == 0:
             raise ValueError("fully_shard shards on dim 0: a 0-d parameter has none; make it "
                              "1-d with one element")
-        if isinstance(param, DTensor):
-            raise ValueError("this parameter is already a DTensor (sharded by fully_shard or "
-                             "tensor parallelism); minifsdp shards plain tensors only")
-        if not param.is_contiguous():
-            raise NotImplementedError("fully_shard needs contiguous parameters")
         info = mesh if isinstance(mesh, MeshInfo) else mesh_info(mesh)
-        self.extension = _extension_type(param, owners)  # Note [all-gather extensions]
         # for errors, e.g. "Linear.weight" (taken now: fully_shard renames the class next)
         self.name = f"{type(owners[0][0]).__name__}.{owners[0][1]}"
+        # Note [an SPMD mesh] (spmd_mesh.py): a DTensor on the full mesh, its local tensor cut
+        self.spmd: SpmdParamLayout | None = None
+        orig = param
+        if info.spmd is not None:
+            self.spmd = SpmdParamLayout(param, info, self.name, shard_dim)
+            param = nn.Parameter(param._local_tensor, requires_grad=param.requires_grad)
+        elif isinstance(param, DTensor):
+            raise ValueError(f"{self.name} is already a DTensor (on mesh "
+                             f"{param.device_mesh.mesh_dim_names or tuple(param.device_mesh.shape)}"
+                             f", {param.placements}): fully_shard takes such a parameter on "
+                             "its full mesh with dp_mesh_dims=DataParallelMeshDims(shard=...) "
+                             "naming the data-parallel dims (Note [an SPMD mesh])")
+        if not param.is_contiguous():
+            raise NotImplementedError("fully_shard needs contiguous parameters")
+        self.extension = _extension_type(param, owners)  # Note [all-gather extensions]
         # the dim it is cut on: 0, or i > 0 dividing evenly (resolve_shard_dims has checked)
         self.shard_dim = shard_dim
         self.owners, self.mesh = owners, info.mesh
@@ -255,7 +265,8 @@ class FSDPParam:
         local = self._narrow(padded, mine.shape)
         self.sharded_param = nn.Parameter(self.to_sharded_dtensor(local),
                                           requires_grad=param.requires_grad)
-        param._fsdp2_sharded = True  # a parent fully_shard must not shard it again
+        orig._fsdp2_sharded = True  # a parent fully_shard must not shard it again
+        self.sharded_param._fsdp2_sharded = True  # nor its sharded DTensor
         self._unsharded_data: torch.Tensor | None = None  # allocated at the first unshard
         self.unsharded_param: nn.Parameter | None = None
         self._unsharded_inner: tuple[torch.Tensor, ...] = ()  # an extension's, freed too
@@ -290,6 +301,8 @@ class FSDPParam:
         put a CPU-offloaded shard back on the GPU (Note [FSDP2 CPU offload]; invisible on a
         CPU mesh, seen on an H200, benchmarks/RESULTS.md).
         """
+        if self.spmd is not None:  # on the full mesh (Note [an SPMD mesh])
+            return self.spmd.sharded_dtensor(local)
         meta = TensorMeta(self.orig_size, self.orig_stride, local.dtype)
         spec = DTensorSpec(self.mesh, tuple(self.placements), tensor_meta=meta)
         return DTensor(local.detach(), spec, requires_grad=False)
@@ -431,6 +444,8 @@ class FSDPParam:
             self._unsharded_data = local.new_empty(self.world_size * self.padded_shard_numel,
                                                    dtype=self.unsharded_dtype, device=device)
             view = self._unsharded_data[: math.prod(self.orig_size)].view(self.orig_size)
+            if self.spmd is not None:  # the module computes with DTensors, as before FSDP
+                view = self.spmd.unsharded_dtensor(view)
             self.unsharded_param = nn.Parameter(view, self.sharded_param.requires_grad)
         else:
             storage = self._unsharded_data.untyped_storage()
@@ -481,13 +496,13 @@ class FSDPParam:
         if self.reduce_dtype is None or grad is None or grad.dtype == self.reduce_dtype:
             return
         self.unsharded_param.grad = None
-        self.unsharded_accumulated_grad = grad.to(self.reduce_dtype)
+        self.unsharded_accumulated_grad = self.grad_data(grad).to(self.reduce_dtype)
         tag(self.unsharded_accumulated_grad, "grads")
 
     def accumulate_unsharded_grad_if_needed(self) -> None:
         """At a post-backward: add this backward's gradient into the accumulator, if any."""
         if self.unsharded_accumulated_grad is not None and self.unsharded_param.grad is not None:
-            self.unsharded_accumulated_grad += self.unsharded_param.grad
+            self.unsharded_accumulated_grad += self.grad_data(self.unsharded_param.grad)
             self.unsharded_param.grad = None
 
     def take_unsharded_grad(self) -> torch.Tensor | None:
@@ -496,7 +511,19 @@ class FSDPParam:
         grad, self.unsharded_accumulated_grad = self.unsharded_accumulated_grad, None
         if grad is None and self.unsharded_param is not None:
             grad, self.unsharded_param.grad = self.unsharded_param.grad, None
-        return grad
+        return None if grad is None else self.grad_data(grad)
+
+    def grad_data(self, grad: torch.Tensor) -> torch.Tensor:
+        """The plain tensor FSDP reduces: ``grad`` itself, or under ``dp_mesh_dims`` the
+        DTensor gradient's local tensor (Note [an SPMD mesh])."""
+        return grad if self.spmd is None else self.spmd.grad_to_local(grad)
+
+    @property
+    def unsharded_local(self) -> torch.Tensor:
+        """The unsharded parameter as a plain tensor (the DTensor's local one under
+        ``dp_mesh_dims``)."""
+        u = self.unsharded_param
+        return u._local_tensor if isinstance(u, DTensor) else u
 
     def _set_on_owners(self, param: nn.Parameter) -> None:
         for module, name in self.owners:  # every module that shares it (tied weights)

@@ -113,7 +113,7 @@ from minifsdp import comm
 from minifsdp.fsdp2.custom_comm import DefaultAllGather, DefaultReduceScatter, allocate, release
 from minifsdp.fsdp2.extensions import all_gather_copy_in_bytes, all_gather_copy_out_bytes
 from minifsdp.fsdp2.fsdp_param import FSDPParam, OffloadPolicy, Owners
-from minifsdp.fsdp2.hsdp import mesh_info, post_forward_info
+from minifsdp.fsdp2.hsdp import MeshInfo, mesh_info, post_forward_info
 from minifsdp.fsdp2.mixed_precision import MixedPrecisionPolicy, check_backend, group_dtypes
 from minifsdp.fsdp2.reduce import foreach_reduce
 from minifsdp.memory import tag
@@ -163,7 +163,7 @@ class FSDPParamGroup:
         group.reshard()     # lin.weight is the DTensor shard again
     """
 
-    def __init__(self, params: list[tuple[nn.Parameter, Owners]], mesh: DeviceMesh,
+    def __init__(self, params: list[tuple[nn.Parameter, Owners]], mesh: DeviceMesh | MeshInfo,
                  reshard_after_forward: bool | int | None, name: str,
                  mp_policy: MixedPrecisionPolicy | None = None,
                  offload_policy: OffloadPolicy | None = None,
@@ -174,7 +174,9 @@ class FSDPParamGroup:
         named = [(f"{type(owners[0][0]).__name__}.{owners[0][1]}", p.dtype, p.requires_grad)
                  for p, owners in params]
         self.dtypes = group_dtypes(named, self.mp_policy, name)
-        self.mesh_info = info = mesh_info(mesh)  # refuses other meshes (Note [HSDP])
+        # refuses other meshes (Note [HSDP]); a MeshInfo: dp_mesh_dims' (Note [an SPMD mesh])
+        self.mesh_info = info = mesh if isinstance(mesh, MeshInfo) else mesh_info(mesh)
+        mesh = info.mesh
         self.name = name
         # Note [all-gather extensions] (fsdp_param.py): such a group all-gathers bytes
         self.extension_params = [f"{type(o[0][0]).__name__}.{o[0][1]} ({type(p).__name__})"
@@ -441,7 +443,7 @@ class FSDPParamGroup:
             had = dict(zip(with_grad, grads))
             with_grad = [p for p in self.fsdp_params if p in had or (
                 p.unsharded_param is not None and p.unsharded_param.requires_grad)]
-            grads = [had[p] if p in had else torch.zeros_like(p.unsharded_param)
+            grads = [had[p] if p in had else torch.zeros_like(p.unsharded_local)
                      for p in with_grad]
             had.clear()
         if self.reshard_after_backward:

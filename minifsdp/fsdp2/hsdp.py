@@ -88,13 +88,14 @@ finds a group still holding its piece (no backward came) drops it and all-gather
 afresh, as the optimizer may have changed them. The numbers are unchanged: an all-gather only
 copies (tests/test_fsdp2_hsdp.py's worker: bitwise equal to torch's with k = 2 at N = 4).
 
-Not implemented (torch has them): meshes of other dims (tensor / pipeline parallelism), and
-``DataParallelMeshDims`` for picking the dims by name.
+A mesh with other dims (tensor parallelism) goes through ``dp_mesh_dims``, which names the
+data-parallel dims of it (Note [an SPMD mesh] in ``spmd_mesh.py``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
@@ -113,6 +114,9 @@ class MeshInfo:
             dim-0 chunk ``shard_rank`` of ``shard_size`` (Note [dim-0 chunks]).
         replicate_group, replicate_size: the gradient all-reduce; ``None`` and 1 on a 1-D mesh.
         placements: ``(Shard(0),)`` or ``(Replicate(), Shard(0))``.
+        spmd: with ``dp_mesh_dims``, the full mesh the parameters live on and the names of
+            its data-parallel dims (``mesh`` is then the data-parallel part of it; Note [an
+            SPMD mesh] in ``spmd_mesh.py``); else ``None``.
 
     Example (4 ranks, mesh (2, 2), rank 3)::
 
@@ -128,6 +132,7 @@ class MeshInfo:
     replicate_group: dist.ProcessGroup | None
     replicate_size: int
     placements: tuple[Placement, ...]
+    spmd: Any = None  # spmd_mesh.SpmdMesh (that module builds on this one)
 
     @property
     def is_hsdp(self) -> bool:
