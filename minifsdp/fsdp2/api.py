@@ -585,7 +585,8 @@ def fully_shard(module: nn.Module | list[nn.Module], *, mesh: DeviceMesh | None 
             parameters already live on as DTensors (tensor parallelism on the other dims):
             each must be ``Replicate()`` on the named dims, and its local tensor is sharded
             over the ``shard`` dims (several: flattened into one group), replicated over the
-            ``replicate`` dims (HSDP). Note [an SPMD mesh] in ``spmd_mesh.py``. Not with an int
+            ``replicate`` dims (HSDP; without ``shard``, DDP). Note [an SPMD mesh] in
+            ``spmd_mesh.py``. Not with an int
             ``reshard_after_forward`` (torch refuses it too), CPU offload or all-gather
             extensions.
 
@@ -760,9 +761,20 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     Example::
 
         sd = full_state_dict(model)      # {"blocks.0.ln1.weight": tensor of shape (C,), ...}
+
+    A DTensor that no dim cuts (``Replicate()`` everywhere: ``dp_mesh_dims`` with
+    ``replicate`` only, Note [an SPMD mesh]) is its own full tensor, and ``full_tensor()``
+    returns its local tensor itself; such a one is copied, so that the dict is a snapshot of
+    the parameters in every case, not a view the next optimizer step changes.
     """
-    return {k: v.full_tensor() if isinstance(v, DTensor) else v
+    return {k: _full_copy(v) if isinstance(v, DTensor) else v
             for k, v in model.state_dict().items()}
+
+
+def _full_copy(v: DTensor) -> torch.Tensor:
+    full = v.full_tensor()
+    same = full.untyped_storage().data_ptr() == v._local_tensor.untyped_storage().data_ptr()
+    return full.clone() if same and full.numel() else full
 
 
 def load_full_state_dict(model: nn.Module, full: dict[str, torch.Tensor], strict: bool = True):

@@ -19,9 +19,15 @@ treats its *local* tensor (this rank's TP piece) as "the parameter"::
 Everything else is FSDP over the shard dim's group, unchanged: the all-gather, the reduce-
 scatter (an average over the DP ranks), HSDP's all-reduce over the replicate dims. Several
 shard dims (``shard=("dp", "cp")``) are flattened into one group; with ``replicate`` too it is
-HSDP on (replicate, shard). The gradient arrives as a DTensor; on the non-DP dims it is first
-brought to the parameter's placements (a ``Partial()`` on ``tp`` becomes an all-reduce there),
-on the DP dims it is left as it is, since the reduce-scatter is that reduction (torch's
+HSDP on (replicate, shard). ``replicate`` alone is DDP, and ours builds it as HSDP whose shard
+groups hold one rank each: the "shard" is the whole local tensor, the all-gather and the
+reduce-scatter over one rank are copies, and the all-reduce over the replicas averages the
+gradients -- the arithmetic of torch's DDP mode of ``fully_shard`` (``DDPMeshInfo``: a copy
+for the reduce-scatter, then the all-reduce), so the same bits.
+
+The gradient arrives as a DTensor; on the non-DP dims it is first brought to the
+parameter's placements (a ``Partial()`` on ``tp`` becomes an all-reduce there), on the DP dims
+it is left as it is, since the reduce-scatter is that reduction (torch's
 ``_get_grad_inner_tensor``), and its local tensor is what FSDP reduces.
 
 Why ``_StridedShard``: the DTensor's placements are read left to right, dp before tp, but the
@@ -33,9 +39,8 @@ same placements (``split_factor``: the sizes of the later dims that shard the sa
 As torch: at least one of ``shard`` / ``replicate`` must be given, the named dims must exist,
 and every managed parameter must be a DTensor on *this* mesh object, ``Replicate()`` on the DP
 dims; ``reshard_after_forward`` as an int is refused (``NotImplementedError``). Not in ours:
-``replicate`` alone (torch's DDP through ``fully_shard``; ours always shards, use
-``minifsdp.ddp``), spmd_types annotations, and all-gather extensions or CPU offload together
-with ``dp_mesh_dims`` -- each refused by name.
+spmd_types annotations, and all-gather extensions or CPU offload together with
+``dp_mesh_dims``, each refused by name.
 """
 
 from __future__ import annotations
@@ -101,7 +106,8 @@ class SpmdMesh:
 def spmd_mesh_info(mesh: DeviceMesh, dims) -> MeshInfo:
     """Check ``dims`` against ``mesh`` (torch's ``_validate_mesh``) and build the data-
     parallel mesh FSDP communicates over: the shard dims' submesh (flattened if several), with
-    the replicate dims' in front for HSDP. ``dims``: ours or torch's ``DataParallelMeshDims``.
+    the replicate dims' in front for HSDP; with replicate dims only, those as (R, 1), HSDP with
+    one-rank shard groups (DDP). ``dims``: ours or torch's ``DataParallelMeshDims``.
 
     Example (inside a 4-rank torchrun worker)::
 
@@ -116,18 +122,18 @@ def spmd_mesh_info(mesh: DeviceMesh, dims) -> MeshInfo:
     for name in dims.shard_names + dims.replicate_names:
         if name not in names:
             raise ValueError(f"Mesh dim name '{name}' not found in mesh.mesh_dim_names {names}")
-    if not dims.shard_names:
-        raise NotImplementedError(
-            f"fully_shard(dp_mesh_dims={dims}): replicate only is torch's DDP through "
-            "fully_shard; minifsdp's fully_shard always shards. Name a shard dim, or use "
-            "minifsdp.ddp for data parallelism without sharding")
 
     def submesh(group: tuple[str, ...]) -> DeviceMesh:
         return mesh[group[0]] if len(group) == 1 else mesh[group]._flatten("_".join(group))
 
-    dp_mesh = submesh(dims.shard_names)
-    if dims.replicate_names:
-        dp_mesh = DeviceMesh._concatenate([submesh(dims.replicate_names), dp_mesh])
+    if not dims.shard_names:  # DDP: HSDP whose shard groups are one rank each (Note above)
+        replicas = submesh(dims.replicate_names)
+        name = "_".join(dims.replicate_names)
+        dp_mesh = replicas._unflatten(0, (replicas.size(), 1), (name, f"{name}_one_rank"))
+    else:
+        dp_mesh = submesh(dims.shard_names)
+        if dims.replicate_names:
+            dp_mesh = DeviceMesh._concatenate([submesh(dims.replicate_names), dp_mesh])
     info = mesh_info(dp_mesh)
     return MeshInfo(info.mesh, info.shard_group, info.shard_rank, info.shard_size,
                     info.replicate_group, info.replicate_size, info.placements,
@@ -165,7 +171,7 @@ class SpmdParamLayout:
                     split *= spmd.mesh.size(j)
             placements[i] = (_StridedShard(shard_dim, split_factor=split) if split > 1
                              else Shard(shard_dim))
-        if len(shard_idx) == 1:
+        if len(shard_idx) <= 1:
             self.sharded_mesh, self.sharded_placements = spmd.mesh, tuple(placements)
         else:  # the shard dims flattened into one (torch's _build_spmd_sharding_spec)
             meshes, kept, skip = [], [], False

@@ -13,7 +13,8 @@ Meshes (``CASES``): N = 2 and 3, ``(dp, tp)`` with tp = 1 (the layout code runs,
 traffic); N = 4: ``(dp, tp) = (2, 2)`` (real tensor parallelism: ``fc1``'s sharded placement
 is ``_StridedShard`` on dp), ``(rep, dp, tp) = (2, 2, 1)`` with ``replicate="rep"`` (HSDP),
 and ``(dp, cp, tp) = (2, 2, 1)`` with ``shard=("dp", "cp")`` (two dims flattened into one
-group of 4), and (dp, tp) = (2, 2) again with bf16 parameters reduced in fp32. The batch is
+group of 4), and (dp, tp) = (2, 2) again with bf16 parameters reduced in fp32. ``ddp``
+(N = 2 and 4): ``replicate="dp"`` alone, torch's DDP mode. The batch is
 split over all DP ranks (a DTensor ``Shard(0)`` on each DP dim); each rank's loss is its own
 rows' cross-entropy, as in data parallelism.
 
@@ -46,10 +47,12 @@ AT = f"N = {N}, rank {rank}"
 BF16 = {"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32}
 # name: (mesh shape, mesh dim names, dp_mesh_dims fields, MixedPrecisionPolicy fields)
 CASES = {
-    2: {"dp_tp": ((2, 1), ("dp", "tp"), {"shard": "dp"}, None)},
+    2: {"dp_tp": ((2, 1), ("dp", "tp"), {"shard": "dp"}, None),
+        "ddp": ((2, 1), ("dp", "tp"), {"replicate": "dp"}, None)},
     3: {"dp_tp": ((3, 1), ("dp", "tp"), {"shard": "dp"}, None)},
     4: {"dp_tp": ((2, 2), ("dp", "tp"), {"shard": "dp"}, None),
         "dp_tp_bf16": ((2, 2), ("dp", "tp"), {"shard": "dp"}, BF16),
+        "ddp": ((2, 2), ("dp", "tp"), {"replicate": "dp"}, None),
         "hsdp": ((2, 2, 1), ("rep", "dp", "tp"), {"shard": "dp", "replicate": "rep"}, None),
         "flattened": ((2, 2, 1), ("dp", "cp", "tp"), {"shard": ("dp", "cp")}, None)},
 }[N]
@@ -151,13 +154,21 @@ def train(model, mesh=None, d: int = 1) -> dict:
     return out
 
 
-MESHES: dict[tuple, object] = {}  # one mesh object per layout (dp_mesh_dims checks identity)
+MESHES: dict[tuple, object] = {}
+
+
+def named_mesh(shape: tuple[int, ...], names: tuple[str, ...]):
+    """One mesh object per layout. dp_mesh_dims checks that a parameter's mesh *is* the one
+    passed (torch's check, by identity), and a second mesh equal to the first is not safe: a
+    DTensor made on it may come back on the first (DTensor caches its sharding decisions by
+    equal meshes), as this worker saw for ``distribute_tensor`` with ``Shard`` placements."""
+    if (shape, names) not in MESHES:
+        MESHES[shape, names] = init_device_mesh(info.device.type, shape, mesh_dim_names=names)
+    return MESHES[shape, names]
 
 
 def parity(shape, names, dims_kw, mp) -> dict:
-    if (shape, names) not in MESHES:
-        MESHES[shape, names] = init_device_mesh(info.device.type, shape, mesh_dim_names=names)
-    mesh = MESHES[shape, names]
+    mesh = named_mesh(shape, names)
     ours = shard(distributed_net(mesh), fsdp2.fully_shard, mesh,
                  fsdp2.DataParallelMeshDims(**dims_kw), mp)
     theirs = shard(distributed_net(mesh), torch_fully_shard, mesh, TorchDims(**dims_kw), mp)
@@ -200,7 +211,7 @@ def parity(shape, names, dims_kw, mp) -> dict:
 
 def errors() -> dict:
     """What ours and torch's refuse, each ``[type, first line]`` (None: accepted)."""
-    mesh = init_device_mesh(info.device.type, (N, 1), mesh_dim_names=("dp", "tp"))
+    mesh = named_mesh((N, 1), ("dp", "tp"))
 
     def attempt(fully_shard, dims_cls, make, **kw):
         try:
@@ -216,7 +227,7 @@ def errors() -> dict:
         return m
 
     def on_other_mesh():
-        other = init_device_mesh(info.device.type, (N, 1), mesh_dim_names=("dp", "tp"))
+        other = named_mesh((1, N), ("dp", "tp"))  # not equal to mesh: its own object
         m = nn.Linear(4, 2)
         m.weight = nn.Parameter(distribute_tensor(m.weight.detach(), other,
                                                   [Replicate(), Replicate()]))
@@ -229,7 +240,6 @@ def errors() -> dict:
         "other_mesh": (on_other_mesh, {"shard": "dp"}, {}),
         "unknown_name": (replicated, {"shard": "data"}, {}),
         "int_reshard": (replicated, {"shard": "dp"}, {"reshard_after_forward": 1}),
-        "replicate_only": (replicated, {"replicate": "dp"}, {}),
     }
     out = {"no_dims": {}}
     for impl, cls in (("ours", fsdp2.DataParallelMeshDims), ("torch", TorchDims)):
