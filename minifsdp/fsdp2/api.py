@@ -88,7 +88,12 @@ from minifsdp.fsdp2.hsdp import MeshInfo, mesh_info, post_forward_info
 from minifsdp.fsdp2.mixed_precision import MixedPrecisionPolicy, register_forward_casts
 from minifsdp.fsdp2.prefetch import UnshardHandle
 from minifsdp.fsdp2.shard_placement import chunk_on_dim, resolve_shard_dims
-from minifsdp.fsdp2.spmd_mesh import DataParallelMeshDims, SpmdParamLayout, spmd_mesh_info
+from minifsdp.fsdp2.spmd_mesh import (
+    DataParallelMeshDims,
+    SpmdParamLayout,
+    refuse_dtensor_without_dims,
+    spmd_mesh_info,
+)
 
 
 class FSDPModule:
@@ -586,9 +591,8 @@ def fully_shard(module: nn.Module | list[nn.Module], *, mesh: DeviceMesh | None 
             each must be ``Replicate()`` on the named dims, and its local tensor is sharded
             over the ``shard`` dims (several: flattened into one group), replicated over the
             ``replicate`` dims (HSDP; without ``shard``, DDP). Note [an SPMD mesh] in
-            ``spmd_mesh.py``. Not with an int
-            ``reshard_after_forward`` (torch refuses it too), CPU offload or all-gather
-            extensions.
+            ``spmd_mesh.py``. Not with an int ``reshard_after_forward`` (torch refuses it
+            too), CPU offload or all-gather extensions.
 
     Parameters must already be on the mesh's device, or on ``meta`` (Note [meta-device
     init]; under CPU offload, materialize them with ``to_empty(device="cpu")``). Frozen
@@ -631,13 +635,8 @@ def fully_shard(module: nn.Module | list[nn.Module], *, mesh: DeviceMesh | None 
             module_, name = owners[0]
             raise ValueError(f"{type(module_).__name__}.{name} is on {p.device}, the mesh on "
                              f"{mesh.device_type}: move the module to the device first")
-        if isinstance(p, DTensor) and dp_mesh_dims is None:
-            module_, name = owners[0]
-            raise ValueError(f"{type(module_).__name__}.{name} is already a DTensor (on mesh "
-                             f"{p.device_mesh.mesh_dim_names or tuple(p.device_mesh.shape)}, "
-                             f"{p.placements}): pass its full mesh as mesh= with dp_mesh_dims="
-                             "DataParallelMeshDims(shard=...) naming the data-parallel dims "
-                             "(Note [an SPMD mesh] in spmd_mesh.py)")
+        if dp_mesh_dims is None:  # before any parameter is replaced
+            refuse_dtensor_without_dims(f"{type(owners[0][0]).__name__}.{owners[0][1]}", p)
     shard_dims = _shard_dims(roots, params, shard_placement_fn, info, reshard_after_forward)
     if dp_mesh_dims is not None:
         _check_spmd_params(roots, params, info, shard_dims, reshard_after_forward,

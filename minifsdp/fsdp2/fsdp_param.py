@@ -121,7 +121,7 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from minifsdp.fsdp2.hsdp import MeshInfo, mesh_info
 from minifsdp.fsdp2.mixed_precision import MixedPrecisionPolicy, resolve_dtypes
 from minifsdp.fsdp2.shard_placement import chunk_on_dim, unsharded_to_shard_dim
-from minifsdp.fsdp2.spmd_mesh import SpmdParamLayout
+from minifsdp.fsdp2.spmd_mesh import SpmdParamLayout, refuse_dtensor_without_dims
 from minifsdp.memory import tag
 
 # (module, attribute name) pairs that hold one parameter: more than one when it is shared,
@@ -229,12 +229,8 @@ class FSDPParam:
         if info.spmd is not None:
             self.spmd = SpmdParamLayout(param, info, self.name, shard_dim)
             param = nn.Parameter(param._local_tensor, requires_grad=param.requires_grad)
-        elif isinstance(param, DTensor):
-            raise ValueError(f"{self.name} is already a DTensor (on mesh "
-                             f"{param.device_mesh.mesh_dim_names or tuple(param.device_mesh.shape)}"
-                             f", {param.placements}): fully_shard takes such a parameter on "
-                             "its full mesh with dp_mesh_dims=DataParallelMeshDims(shard=...) "
-                             "naming the data-parallel dims (Note [an SPMD mesh])")
+        else:
+            refuse_dtensor_without_dims(self.name, param)
         if not param.is_contiguous():
             raise NotImplementedError("fully_shard needs contiguous parameters")
         self.extension = _extension_type(param, owners)  # Note [all-gather extensions]

@@ -103,6 +103,19 @@ class SpmdMesh:
                 [names.index(n) for n in self.dims.replicate_names])
 
 
+def refuse_dtensor_without_dims(name: str, param: torch.Tensor) -> None:
+    """A DTensor parameter reaching ``fully_shard`` without ``dp_mesh_dims``: say how to pass
+    it (torch would take it as tensor parallelism on a mesh of its own, which ours does not
+    build)."""
+    if isinstance(param, DTensor):
+        mesh = param.device_mesh
+        raise ValueError(f"{name} is already a DTensor (on mesh "
+                         f"{mesh.mesh_dim_names or tuple(mesh.shape)}, {param.placements}): "
+                         "pass its full mesh as mesh= with dp_mesh_dims=DataParallelMeshDims("
+                         "shard=...) naming the data-parallel dims (Note [an SPMD mesh] in "
+                         "spmd_mesh.py)")
+
+
 def spmd_mesh_info(mesh: DeviceMesh, dims) -> MeshInfo:
     """Check ``dims`` against ``mesh`` (torch's ``_validate_mesh``) and build the data-
     parallel mesh FSDP communicates over: the shard dims' submesh (flattened if several), with
