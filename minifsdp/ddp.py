@@ -53,22 +53,29 @@ flag is read in ``forward``: the forward must run inside the block, the backward
 Note [unused parameters]: a parameter without a gradient (a branch not taken) never fires its
 hook, so its bucket never fills. A rank must not just skip that bucket: another rank may have
 used the parameter and would wait forever for its partner. So in the final callback every rank
-fills the missing slots (with an accumulated ``.grad``, else zeros), launches every bucket still
-pending, in order, and all ranks exchange who missed what (one small all-gather of a status per
-parameter). Every rank now knows the same facts and takes the same decision: with
-``find_unused_parameters=False`` all raise the same error naming parameters and ranks; with
-``True`` a missing gradient counts as zero, and a parameter no rank used keeps ``.grad = None``
-so the optimizer skips it, as in torch. This costs one small collective per step. torch skips
-it when ``find_unused_parameters=False`` and finds out at the next forward, on the ranks that
-missed a gradient only; a rank that did not is left waiting in backward for a bucket that never
-comes. (With ``True``, torch also searches the autograd graph after forward, so an unused
-parameter's bucket need not wait for the end of backward; ours just launches late.)
+fills the missing slots and launches every bucket still pending, in order. Then all ranks must
+learn who missed what, to take the same decision: with ``find_unused_parameters=False`` all raise
+the same error naming parameters and ranks; with ``True`` a missing gradient counts as zero, and
+a parameter no rank used keeps ``.grad = None`` so the optimizer skips it, as in torch. The facts
+take one small all-gather of a status per parameter. With ``True`` it runs every step (torch
+all-reduces its map of used parameters every step too). With ``False`` a missing gradient is an
+error, so its slot's values no longer matter, and they can carry the news instead: a rank fills
+a missing slot with NaN, and since NaN plus anything is NaN, after the all-reduce every rank
+finds NaN in that slot (the all-reduce hands every rank the same sums). So every rank looks at
+the first element of each parameter's slot, and runs the all-gather only if one is NaN: never
+in a healthy step, which costs no message at all; also when a gradient really is NaN, where the
+status then says that nobody missed anything. torch skips the check when
+``find_unused_parameters=False`` and finds out at the next forward, on the ranks that missed a
+gradient only; a rank that did not is left waiting in backward for a bucket that never comes.
+(With ``True``, torch also searches the autograd graph after forward, so an unused parameter's
+bucket need not wait for the end of backward; ours just launches late.)
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -184,13 +191,15 @@ class Bucket:
     """One flat gradient buffer and the parameters whose gradients it holds, back to back.
 
     ``params``: indices into ``BucketedDDP._params``. ``buffer``: ``(sum of their numel,)``,
-    their dtype and device. ``pending``: gradients still to arrive in this backward; at 0 the
-    bucket may be launched. ``work``: its in-flight all-reduce.
+    their dtype and device. ``firsts``: ``(len(params),)``, where each one's slot starts in
+    ``buffer`` (Note [unused parameters]). ``pending``: gradients still to arrive in this
+    backward; at 0 the bucket may be launched. ``work``: its in-flight all-reduce.
     """
 
     index: int
     params: list[int]
     buffer: torch.Tensor
+    firsts: torch.Tensor
     pending: int = 0
     work: Any = None
 
@@ -243,11 +252,15 @@ class BucketedDDP(nn.Module):
         self._slot: dict[int, tuple[Bucket, torch.Tensor]] = {}  # param index -> where it goes
         for k, ids in enumerate(assign_buckets(self._params, int(bucket_cap_mb * 2**20))):
             ps = [self._params[i] for i in ids]
-            buffer = torch.zeros(sum(p.numel() for p in ps), dtype=ps[0].dtype,
-                                 device=ps[0].device)
-            views = [v.view(p.shape) for v, p in zip(buffer.split([p.numel() for p in ps]), ps)]
-            self.buckets.append(Bucket(k, ids, buffer))
+            numels = [p.numel() for p in ps]
+            buffer = torch.zeros(sum(numels), dtype=ps[0].dtype, device=ps[0].device)
+            views = [v.view(p.shape) for v, p in zip(buffer.split(numels), ps)]
+            # each slot's first element: where NaN says "missed" (Note [unused parameters])
+            firsts = torch.tensor([0, *itertools.accumulate(numels)][:-1], device=buffer.device)
+            self.buckets.append(Bucket(k, ids, buffer, firsts))
             self._slot.update({i: (self.buckets[-1], v) for i, v in zip(ids, views)})
+        # an empty parameter has no element to carry a NaN: then the status goes every step
+        self._in_band = not find_unused_parameters and all(p.numel() for p in self._params)
         for i, p in enumerate(self._params):
             p.register_post_accumulate_grad_hook(functools.partial(self._on_grad_ready, i))
         self._armed = False  # set by a synced forward, cleared by the final callback
@@ -325,44 +338,58 @@ class BucketedDDP(nn.Module):
                         "although their pending counts reached 0: a bucket is ready when its "
                         "count is 0, and one launch starts every ready bucket in order, not "
                         "only the next (Note [buckets])")
-                status = torch.empty(self.world_size * len(mine), dtype=torch.int32,
-                                     device=self.buckets[0].buffer.device)
-                work = comm.all_gather_into_tensor(status, mine.to(status.device),
-                                                   group=self.process_group, async_op=True,
-                                                   tag="unused check")
                 for b in self.buckets:
                     b.work.wait()
-                work.wait()
-                status = status.view(self.world_size, -1).T.tolist()  # [param][rank]
+                # Note [unused parameters]: every rank sees the same sums, so takes the same path
+                status = self._exchange_status(mine) if self._maybe_missed() else None
                 self._raise_if_unused(status)  # the same decision on every rank
                 self._copy_back(status)
         finally:
             self._armed = False
             self._reset()
 
-    def _fill_missing(self) -> torch.Tensor:
+    def _fill_missing(self) -> list[int]:
         """Fill the slots of parameters that got no gradient in this backward; returns each
-        parameter's status (READY, MISSING_WITH_GRAD, MISSING) as an int32 tensor."""
-        status = []
+        parameter's status (READY, MISSING_WITH_GRAD, MISSING)."""
+        status = [READY] * len(self._params)
         for i, p in enumerate(self._params):
             if self._ready[i]:
-                status.append(READY)
                 continue
             bucket, view = self._slot[i]
-            if p.grad is not None:  # accumulated under no_sync, unused in this step
+            if self._in_band:  # an error anyway: the slot carries the news (Note [unused ...])
+                view.fill_(float("nan"))
+                status[i] = MISSING if p.grad is None else MISSING_WITH_GRAD
+            elif p.grad is not None:  # accumulated under no_sync, unused in this step
                 torch.mul(p.grad, 1 / self.world_size, out=view)
-                status.append(MISSING_WITH_GRAD)
+                status[i] = MISSING_WITH_GRAD
             else:
                 view.zero_()
-                status.append(MISSING)
+                status[i] = MISSING
             bucket.pending -= 1
-        return torch.tensor(status, dtype=torch.int32)
+        return status
 
-    def _copy_back(self, status: list[list[int]]) -> None:
+    def _maybe_missed(self) -> bool:
+        """After the all-reduces: may some rank have missed a gradient? With ``_in_band``, only
+        if a slot's first element is NaN (Note [unused parameters]); else always."""
+        if not self._in_band:
+            return True
+        firsts = [b.buffer[b.firsts].isnan().any() for b in self.buckets]
+        return bool(torch.stack(firsts).any())
+
+    def _exchange_status(self, mine: list[int]) -> list[list[int]]:
+        """Every rank's status per parameter, ``[param][rank]``: one all-gather."""
+        device = self.buckets[0].buffer.device
+        status = torch.empty(self.world_size * len(mine), dtype=torch.int32, device=device)
+        comm.all_gather_into_tensor(status, torch.tensor(mine, dtype=torch.int32, device=device),
+                                    group=self.process_group, tag="unused check")
+        return status.view(self.world_size, -1).T.tolist()
+
+    def _copy_back(self, status: list[list[int]] | None) -> None:
         """``.grad = bucket view``: the averaged gradients leave the buckets (Note [bucket
-        copies vs views]). A parameter no rank had a gradient for keeps ``.grad = None``."""
+        copies vs views]). ``status`` is None when no rank missed a gradient; a parameter no
+        rank had a gradient for keeps ``.grad = None``."""
         for i, p in enumerate(self._params):
-            if all(s == MISSING for s in status[i]):
+            if status is not None and all(s == MISSING for s in status[i]):
                 continue
             view = self._slot[i][1]
             if p.grad is None:  # unused here, used on another rank
@@ -370,8 +397,8 @@ class BucketedDDP(nn.Module):
             else:
                 p.grad.copy_(view)
 
-    def _raise_if_unused(self, status: list[list[int]]) -> None:
-        if self.find_unused_parameters:
+    def _raise_if_unused(self, status: list[list[int]] | None) -> None:
+        if self.find_unused_parameters or status is None:
             return
         missing = [f"  {name} (rank {', '.join(str(r) for r, s in enumerate(ss) if s)})"
                    for name, ss in zip(self._names, status) if any(ss)]

@@ -180,6 +180,8 @@ def test_comm_log_shows_buckets_issued_during_backward(train_run):
             assert final["t_end"] <= backward["t_end"]
             # each gradient is reduced exactly once per step
             assert sum(r["bytes"] for r in reduces) == 4 * rank["num_params"]
+            # and nobody missed one, so no status is exchanged (Note [unused parameters])
+            assert not [r for r in rank["comm"] if r["tag"] == "unused check"]
 
 
 @pytest.mark.launches(*COMM_LOG_JOBS)
@@ -219,6 +221,10 @@ def test_unused_parameter_is_an_error_on_every_rank(worker):
             assert "frozen" not in u[case] and "trunk" not in u[case]
         assert u["recovered_error"] is None and u["recovered_grads_equal"]
         assert not u["frozen_in_buckets"]
+        # the status all-gather runs where a slot came back NaN: after a missed gradient, and
+        # after a real NaN (which then raises nothing); never in a healthy step
+        assert u["nan_error"] is None and u["nan_grad_is_nan"]
+        assert u["exchanges"] == [1, 1, 0, 1]
 
 
 def test_find_unused_parameters_matches_torch_ddp(worker):
@@ -229,3 +235,4 @@ def test_find_unused_parameters_matches_torch_ddp(worker):
         assert all(s["grads_equal"] for s in steps)
         assert [s["b_grad_is_none"] for s in steps] == [False, True, False]
         assert [s["ref_b_grad_is_none"] for s in steps] == [False, True, False]
+        assert [s["exchanges"] for s in steps] == [1, 1, 1]  # every step, as torch's map
