@@ -258,6 +258,7 @@ class FSDPParam:
                 padded = self._to_host_memory(padded)
         self.padded_shard_numel = padded.numel()
         self._sharded_data = padded.view(-1)
+        self._owned_local: torch.Tensor | None = None  # a local tensor known to view it
         local = self._narrow(padded, mine.shape)
         self.sharded_param = nn.Parameter(self.to_sharded_dtensor(local),
                                           requires_grad=param.requires_grad)
@@ -334,9 +335,14 @@ class FSDPParam:
         parameter they *swap* a fresh local tensor in (``torch.utils.swap_tensors``, keeping
         the ``Parameter`` object the optimizer holds). So before each all-gather we check,
         and re-pad whatever local tensor the parameter now has (torch: ``reset_sharded_param``).
+        The check runs once per local tensor: one found to be ours is remembered, and the
+        same object again is ours without looking (a swap brings a new object).
         """
         local = self.sharded_param._local_tensor
+        if local is self._owned_local:  # the view we made or checked last time: still ours
+            return self._sharded_data
         if local.is_meta or self._owns(local):
+            self._owned_local = None if local.is_meta else local
             return self._sharded_data
         with torch.no_grad():
             padded = local.new_zeros(self.padded_sharded_size)
@@ -344,7 +350,7 @@ class FSDPParam:
             if self.pin_memory:  # e.g. after to_empty(device="cpu"): pinned as at init
                 padded = self._to_host_memory(padded)
         self._sharded_data = padded.view(-1)
-        self.sharded_param._local_tensor = self._narrow(padded, local.shape)
+        self.sharded_param._local_tensor = self._owned_local = self._narrow(padded, local.shape)
         return self._sharded_data
 
     def _narrow(self, padded: torch.Tensor, size: torch.Size) -> torch.Tensor:
@@ -522,8 +528,19 @@ class FSDPParam:
         return u._local_tensor if isinstance(u, DTensor) else u
 
     def _set_on_owners(self, param: nn.Parameter) -> None:
-        for module, name in self.owners:  # every module that shares it (tied weights)
-            setattr(module, name, param)
+        """Register ``param`` under its name on every module that shares it (tied weights).
+
+        Four times per parameter per step (unshard and reshard, in forward and in backward),
+        so the plain case skips ``nn.Module.__setattr__``, whose checks and registration hooks
+        cost more than all of FSDP's own Python per parameter: it would only end in the same
+        ``module._parameters[name] = param`` (torch: ``unsafe_setattr_param``). A module with
+        its own ``__setattr__`` gets it called.
+        """
+        for module, name in self.owners:
+            if type(module).__setattr__ is nn.Module.__setattr__:
+                module._parameters[name] = param
+            else:
+                setattr(module, name, param)
 
     @property
     def sharded_numel(self) -> int:

@@ -347,8 +347,8 @@ class FSDPParamGroup:
                             self.dtypes.gather, inputs[0].device, f"{self.name}'s all-gather")
         tag(gathered, "comm", label="all-gather buffers")
         my_slot = gathered.narrow(0, self.rank * slot_numel, slot_numel)
-        for dst, src in zip(my_slot.split([t.numel() for t in inputs]), inputs):
-            dst.copy_(src)
+        # one call for all the copies (and casts), as torch's all_gather_copy_in
+        torch._foreach_copy_(my_slot.split([t.numel() for t in inputs]), inputs)
         return my_slot, gathered
 
     @torch.no_grad()
