@@ -356,15 +356,13 @@ class BucketedDDP(nn.Module):
             if self._ready[i]:
                 continue
             bucket, view = self._slot[i]
+            status[i] = MISSING if p.grad is None else MISSING_WITH_GRAD
             if self._in_band:  # an error anyway: the slot carries the news (Note [unused ...])
                 view.fill_(float("nan"))
-                status[i] = MISSING if p.grad is None else MISSING_WITH_GRAD
             elif p.grad is not None:  # accumulated under no_sync, unused in this step
                 torch.mul(p.grad, 1 / self.world_size, out=view)
-                status[i] = MISSING_WITH_GRAD
             else:
                 view.zero_()
-                status[i] = MISSING
             bucket.pending -= 1
         return status
 

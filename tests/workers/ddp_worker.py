@@ -108,31 +108,28 @@ def grads(model) -> dict[str, list | None]:
             for k, p in model.module.named_parameters()}
 
 
-def exchanges(log) -> int:
-    """How many status all-gathers a step ran (Note [unused parameters])."""
-    return len([r for r in log.comms() if r.tag == "unused check"])
+def counted_step(model, use_b: bool, i: int = 0) -> tuple[str | None, int]:
+    """``step``, and how many status all-gathers it ran (Note [unused parameters])."""
+    with comm.logging_comm() as log:
+        error = step(model, use_b, i)
+    return error, len([r for r in log.comms() if r.tag == "unused check"])
 
 
 unused: dict = {"exchanges": []}
 model = two_branch(BucketedDDP)
-with comm.logging_comm() as log:
-    unused["everywhere"] = step(model, use_b=False)  # b unused on every rank
-unused["exchanges"].append(exchanges(log))
-with comm.logging_comm() as log:
-    unused["on_rank_1"] = step(model, use_b=rank != 1)  # b unused on rank 1 only: no hang
-unused["exchanges"].append(exchanges(log))
-for p in model.parameters():
-    p.grad = None
-with comm.logging_comm() as log:
-    unused["recovered_error"] = step(model, use_b=True)  # the next clean step works
-unused["exchanges"].append(exchanges(log))
+nan_model = two_branch(BucketedDDP)
 # a gradient that really is NaN looks like a missed one from outside: the status is exchanged,
 # says nobody missed anything, and the NaN gradients are handed back as torch's DDP would
-nan_model = two_branch(BucketedDDP)
 nan_model.module.a.bias.data[0] = float("nan")
-with comm.logging_comm() as log:
-    unused["nan_error"] = step(nan_model, use_b=True)
-unused["exchanges"].append(exchanges(log))
+for case, m, use_b, reset in [("everywhere", model, False, False),  # b unused on every rank
+                              ("on_rank_1", model, rank != 1, False),  # on rank 1 only: no hang
+                              ("recovered_error", model, True, True),  # the next clean step works
+                              ("nan_error", nan_model, True, False)]:
+    if reset:
+        for p in model.parameters():
+            p.grad = None
+    unused[case], n = counted_step(m, use_b)
+    unused["exchanges"].append(n)
 unused["nan_grad_is_nan"] = bool(nan_model.module.a.weight.grad.isnan().any())
 ref = two_branch(DistributedDataParallel)
 step(ref, use_b=True)
@@ -146,12 +143,11 @@ ours, ref = two_branch(BucketedDDP, find_unused_parameters=True), two_branch(
     DistributedDataParallel, find_unused_parameters=True)
 unused["find_unused"] = []
 for i, use_b in enumerate([rank == 0, False, True]):  # b: used by rank 0, by none, by all
-    with comm.logging_comm() as log:
-        errors = [step(ours, use_b, i)]
-    errors.append(step(ref, use_b, i))
+    error, n = counted_step(ours, use_b, i)
+    errors = [error, step(ref, use_b, i)]
     g_ours, g_ref = grads(ours), grads(ref)
     unused["find_unused"].append({"errors": errors, "grads_equal": g_ours == g_ref,
-                                  "exchanges": exchanges(log),
+                                  "exchanges": n,
                                   "b_grad_is_none": g_ours["b.weight"] is None,
                                   "ref_b_grad_is_none": g_ref["b.weight"] is None})
     for m in (ours, ref):
