@@ -259,6 +259,11 @@ class BucketedDDP(nn.Module):
             firsts = torch.tensor([0, *itertools.accumulate(numels)][:-1], device=buffer.device)
             self.buckets.append(Bucket(k, ids, buffer, firsts))
             self._slot.update({i: (self.buckets[-1], v) for i, v in zip(ids, views)})
+        self._views = [self._slot[i][1] for i in range(len(self._params))]  # in param order
+        # 1/N as a CPU double scalar, made once: torch.mul with a Python float builds one per
+        # call (half the cost of a small multiply), and a CPU scalar multiplies the same bits
+        # as torch's C++ wrapped scalar, for any dtype and on a GPU too (Note [divide first])
+        self._scale = torch.tensor(1 / self.world_size, dtype=torch.float64)
         # an empty parameter has no element to carry a NaN: then the status goes every step
         self._in_band = not find_unused_parameters and all(p.numel() for p in self._params)
         for i, p in enumerate(self._params):
@@ -305,9 +310,10 @@ class BucketedDDP(nn.Module):
                                "backward (reentrant checkpointing?), which is not supported")
         self._ready[i] = True
         bucket, view = self._slot[i]
-        torch.mul(param.grad, 1 / self.world_size, out=view)  # Note [divide first]
+        torch.mul(param.grad, self._scale, out=view)  # Note [divide first]
         bucket.pending -= 1
-        self._launch_ready_buckets()
+        if not bucket.pending:  # only a bucket that just filled can let one start
+            self._launch_ready_buckets()
 
     # seam "ddp.launch" (lab 02): labs/lab02_ddp.py's launch_ready_buckets replaces this method.
     def _launch_ready_buckets(self) -> None:
@@ -352,6 +358,8 @@ class BucketedDDP(nn.Module):
         """Fill the slots of parameters that got no gradient in this backward; returns each
         parameter's status (READY, MISSING_WITH_GRAD, MISSING)."""
         status = [READY] * len(self._params)
+        if all(self._ready):  # the usual step
+            return status
         for i, p in enumerate(self._params):
             if self._ready[i]:
                 continue
@@ -360,7 +368,7 @@ class BucketedDDP(nn.Module):
             if self._in_band:  # an error anyway: the slot carries the news (Note [unused ...])
                 view.fill_(float("nan"))
             elif p.grad is not None:  # accumulated under no_sync, unused in this step
-                torch.mul(p.grad, 1 / self.world_size, out=view)
+                torch.mul(p.grad, self._scale, out=view)
             else:
                 view.zero_()
             bucket.pending -= 1
@@ -386,6 +394,9 @@ class BucketedDDP(nn.Module):
         """``.grad = bucket view``: the averaged gradients leave the buckets (Note [bucket
         copies vs views]). ``status`` is None when no rank missed a gradient; a parameter no
         rank had a gradient for keeps ``.grad = None``."""
+        if status is None:  # every rank had every gradient: one call copies them all
+            torch._foreach_copy_([p.grad for p in self._params], self._views)
+            return
         for i, p in enumerate(self._params):
             if status is not None and all(s == MISSING for s in status[i]):
                 continue
