@@ -59,21 +59,25 @@ def worker(args: argparse.Namespace) -> None:
 def driver(args: argparse.Namespace) -> None:
     rows = harness.launch(__file__, args, "ddp", "torch_ddp",
                           ("--bucket-cap-mb", args.bucket_cap_mb), timeout=900)
-    r = rows[0][1].ranks[0]
+    r = rows[0].run.ranks[0]
     print(f"GPT: {r['num_params'] / 1e6:.2f} M params ({4 * r['num_params'] / 2**20:.1f} MiB "
           f"of fp32 gradients), bucket cap {args.bucket_cap_mb} MiB -> {r['buckets']} buckets, "
           f"{args.batch} x {args.seq_len} tokens per rank, device {r['device']}")
-    print(f"median of {args.rounds} x {args.steps} steps per strategy, after {args.warmup} "
-          "warm-up steps\n")
+    print(f"median of {args.jobs} job(s) x {args.rounds} rounds x {args.steps} steps per "
+          f"strategy, after {args.warmup} warm-up steps\n")
     print(f"{'ranks':>5} {'torch DDP':>10} {'Bucketed':>10} {'Naive':>10} "
           f"{'Bucketed/torch':>15} {'(rounds)':>13} {'Naive/torch':>12} {'(rounds)':>13}")
-    for n, _, med, per_round in rows:
+    for row in rows:
+        med, per_round = row.med, row.per_round
         t, b, v = med["torch_ddp"], med["bucketed_ddp"], med["ddp"]
-        print(f"{n:>5} {1e3 * t:>8.1f}ms {1e3 * b:>8.1f}ms {1e3 * v:>8.1f}ms "
+        print(f"{row.n:>5} {1e3 * t:>8.1f}ms {1e3 * b:>8.1f}ms {1e3 * v:>8.1f}ms "
               f"{b / t:>14.3f}x {harness.spread(per_round['bucketed_ddp']):>13} {v / t:>11.3f}x "
               f"{harness.spread(per_round['ddp']):>13}")
     print("\n(rounds): the lowest and highest ratio among the rounds' medians")
-
+    if args.jobs > 1:
+        for row in rows:
+            print(f"N = {row.n}: Bucketed/torch job by job: "
+                  + " ".join(f"{x:.3f}" for x in row.per_job["bucketed_ddp"]))
 
 if __name__ == "__main__":
     harness.main(worker, driver, parse_args())

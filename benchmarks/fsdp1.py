@@ -26,7 +26,6 @@ peaks.
 from __future__ import annotations
 
 import argparse
-import statistics
 
 import harness
 
@@ -82,26 +81,27 @@ def worker(args: argparse.Namespace) -> None:
 
 def driver(args: argparse.Namespace) -> None:
     rows = harness.launch(__file__, args, "fsdp1", "torch")
-    r = rows[0][1].ranks[0]
+    r = rows[0].run.ranks[0]
     print(f"GPT: {r['num_params'] / 1e6:.2f} M params ({4 * r['num_params'] / 2**20:.1f} MiB "
           f"fp32), {args.n_layer} blocks = units, FULL_SHARD, {args.batch} x {args.seq_len} "
           f"tokens per rank, device {r['device']}")
-    print(f"time: median of {args.rounds} x {args.steps} steps per strategy, after "
-          f"{args.warmup} warm-up steps; memory: MemoryTracker peak, largest over ranks\n")
+    print(f"time: median of {args.jobs} job(s) x {args.rounds} x {args.steps} steps per strategy,"
+          f" after {args.warmup} warm-up steps; memory: MemoryTracker peak, largest over ranks\n")
     print(f"{'ranks':>5} {'prefetch':>9} {'torch':>9} {'minifsdp':>9} {'mini/torch':>11} "
           f"{'(rounds)':>10} {'peak torch':>11} {'peak mini':>10} {'mini/torch':>11}")
-    for n, run, med, _ in rows:
-        times, worst = run.ranks[0]["times"], run.ranks[0]["worst_peak"]
+    for row in rows:
+        n, run, med = row.n, row.run, row.med
+        worst = run.ranks[0]["worst_peak"]
         for label, ref, name in PAIRS:
             t, m = med[ref], med[name]
-            per_round = [statistics.median(a) / statistics.median(b)
-                         for a, b in zip(times[name], times[ref])]
+            per_round = row.ratios(name, ref)
             print(f"{n:>5} {label:>9} {1e3 * t:>7.1f}ms {1e3 * m:>7.1f}ms {m / t:>10.3f}x "
                   f"{harness.spread(per_round):>10} {worst[ref] / 2**20:>9.2f}Mi "
                   f"{worst[name] / 2**20:>8.2f}Mi {worst[name] / worst[ref]:>10.3f}x")
     print("\n(rounds): the lowest and highest minifsdp/torch ratio among the rounds' medians, "
           "both with the same backward_prefetch (pre: BACKWARD_PRE, torch's default; none: off)")
-    for n, _, med, _ in rows:
+    for row in rows:
+        n, med = row.n, row.med
         ours, theirs = med["minifsdp"] / med["minifsdp_off"], med["torch"] / med["torch_off"]
         print(f"N = {n}: step time with BACKWARD_PRE / without: minifsdp {ours:.3f}x, "
               f"torch {theirs:.3f}x")

@@ -36,7 +36,6 @@ thread competes with compute for a core.
 from __future__ import annotations
 
 import argparse
-import statistics
 
 import harness
 
@@ -100,19 +99,18 @@ def worker(args: argparse.Namespace) -> None:
 
 def driver(args: argparse.Namespace) -> None:
     rows = harness.launch(__file__, args, "fsdp2", "torch", timeout=900)
-    r = rows[0][1].ranks[0]
+    r = rows[0].run.ranks[0]
     print(f"GPT: {r['num_params'] / 1e6:.2f} M params, {args.n_layer} blocks + root as units, "
           f"{args.batch} x {args.seq_len} tokens per rank, AdamW, device {r['device']}")
-    print(f"median of {args.rounds} x {args.steps} steps per implementation, after "
-          f"{args.warmup} warm-up steps; peak = MemoryTracker, one step\n")
+    print(f"median of {args.jobs} job(s) x {args.rounds} x {args.steps} steps per implementation,"
+          f" after {args.warmup} warm-up steps; peak = MemoryTracker, one step\n")
     print(f"{'ranks':>5} {'prefetch':>9} {'torch':>9} {'minifsdp':>9} {'time ratio':>11} "
           f"{'(rounds)':>11} {'torch peak':>11} {'minifsdp peak':>14} {'peak ratio':>11}")
-    for n, run, med, _ in rows:
-        times = run.ranks[0]["times"]
+    for row in rows:
+        n, run, med = row.n, row.run, row.med
         for label, ref, name in PAIRS:
             t, m = med[ref], med[name]
-            per_round = [statistics.median(a) / statistics.median(b)
-                         for a, b in zip(times[name], times[ref])]
+            per_round = row.ratios(name, ref)
             ours = max(q["peaks"][name]["total"] for q in run.ranks)
             theirs = max(q["peaks"][ref]["total"] for q in run.ranks)
             print(f"{n:>5} {label:>9} {1e3 * t:>7.1f}ms {1e3 * m:>7.1f}ms {m / t:>10.3f}x "
@@ -120,7 +118,8 @@ def driver(args: argparse.Namespace) -> None:
                   f"{ours / 2**20:>12.2f}MiB {ours / theirs:>10.3f}x")
     print("\n(rounds): the lowest and highest ratio among the rounds' medians; peaks: the "
           "largest over ranks. Pairs: see the module docstring.")
-    for n, run, *_ in rows:
+    for row in rows:
+        n, run = row.n, row.run
         for name in STRATEGIES:
             cats = run.ranks[0]["peaks"][name]
             print(f"rank 0 at N = {n}, {name:>8}'s peak: " + ", ".join(

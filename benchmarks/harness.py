@@ -13,6 +13,8 @@ import os
 import statistics
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 # (flag, type, default, help): forwarded unchanged from the driver to its workers
 COMMON = [("--steps", int, 4, "timed steps per strategy per round"),
@@ -28,6 +30,8 @@ def parse_args(doc: str, extra: Callable[[argparse.ArgumentParser], None] | None
     p.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
     for flag, kind, default, help_ in COMMON:
         p.add_argument(flag, type=kind, default=default, help=help_)
+    p.add_argument("--jobs", type=int, default=1,
+                   help="separate torchrun jobs per world size, pooled (see launch)")
     if extra:
         extra(p)
     return p.parse_args(argv)
@@ -104,23 +108,52 @@ def tracked_peaks(models: dict, opts: dict, x, y, info) -> dict[str, dict[str, i
     return peaks
 
 
+@dataclass
+class Row:
+    """One world size's results, pooled over ``--jobs`` separate torchrun jobs."""
+
+    n: int
+    run: Any                    # the last job's run (for what every job reports alike)
+    times: dict                 # times[name][round][step], every job's rounds one after another
+    med: dict                   # name -> median step time over every step of every job
+    per_round: dict             # name -> its ratio to the reference, round by round
+    per_job: dict               # name -> its ratio to the reference, job by job
+
+    def ratios(self, name: str, ref: str) -> list[float]:
+        """``name``'s ratio to ``ref`` round by round (each round's medians)."""
+        return [statistics.median(a) / statistics.median(b)
+                for a, b in zip(self.times[name], self.times[ref])]
+
+
 def launch(script: str, args: argparse.Namespace, name: str, reference: str,
-           extra_argv: tuple = (), timeout: float = 1200) -> list[tuple]:
-    """Run ``script``'s workers at each world size. Returns ``(n, run, medians, per_round)``
-    per world size: the median step time per strategy over all rounds, and each strategy's
-    ratio to ``reference`` round by round (the spread is the machine's noise)."""
+           extra_argv: tuple = (), timeout: float = 1200) -> list[Row]:
+    """Run ``script``'s workers at each world size, ``args.jobs`` times. One ``Row`` per world
+    size: the median step time per strategy over all steps, and each strategy's ratio to
+    ``reference`` round by round and job by job (their spreads are the machine's noise).
+
+    Why several jobs: a job's buffers land where its allocator puts them, and that can favour
+    one implementation for the whole job; a ratio that should hold on the next machine needs
+    that luck averaged out too, not only the noise between rounds."""
     from minifsdp.launch import torchrun
 
     argv = [v for flag, *_ in COMMON for v in (flag, getattr(args, flag[2:].replace("-", "_")))]
     rows = []
     for n in args.world_sizes:
-        run = torchrun(script, *argv, *extra_argv, nproc=n, chapter="benchmarks",
-                       name=f"{name}_{n}", timeout=timeout)
-        times = run.ranks[0]["times"]
+        times: dict[str, list] = {}
+        per_job: dict[str, list[float]] = {}
+        for j in range(args.jobs):
+            run = torchrun(script, *argv, *extra_argv, nproc=n, chapter="benchmarks",
+                           name=f"{name}_{n}" + (f"_job{j}" if args.jobs > 1 else ""),
+                           timeout=timeout)
+            job = run.ranks[0]["times"]
+            for k, v in job.items():
+                times.setdefault(k, []).extend(v)
+                per_job.setdefault(k, []).append(statistics.median(sum(v, []))
+                                                  / statistics.median(sum(job[reference], [])))
         med = {k: statistics.median(sum(v, [])) for k, v in times.items()}
-        per_round = {k: [statistics.median(a) / statistics.median(t)
-                         for a, t in zip(v, times[reference])] for k, v in times.items()}
-        rows.append((n, run, med, per_round))
+        row = Row(n, run, times, med, {}, per_job)
+        row.per_round = {k: row.ratios(k, reference) for k in times}
+        rows.append(row)
     return rows
 
 

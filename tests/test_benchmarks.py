@@ -1,11 +1,15 @@
 """The benchmarks' harness (benchmarks/harness.py), without launching anything."""
 
+import argparse
 import importlib.util
+import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 _spec = importlib.util.spec_from_file_location(
     "harness", Path(__file__).resolve().parents[1] / "benchmarks" / "harness.py")
 harness = importlib.util.module_from_spec(_spec)
+sys.modules.setdefault("harness", harness)  # its dataclass looks its module up by name
 _spec.loader.exec_module(harness)
 
 
@@ -16,6 +20,28 @@ def test_each_round_runs_every_strategy_once_and_the_order_rotates():
     # over len(names) rounds each strategy runs first once; then the cycle repeats
     assert sorted(o[0] for o in orders[:3]) == sorted(names)
     assert orders[3:] == orders[:3]
+
+
+def test_launch_pools_the_jobs_rounds_and_gives_each_job_its_ratio(monkeypatch):
+    # two fake jobs: ours is 1.1x torch in the first and 0.9x in the second
+    jobs = iter([{"ours": [[1.1, 1.1], [2.2]], "torch": [[1.0, 1.0], [2.0]]},
+                 {"ours": [[0.9]], "torch": [[1.0]]}])
+    calls = []
+
+    def fake_torchrun(script, *argv, nproc, name, **kwargs):
+        calls.append((nproc, name))
+        return SimpleNamespace(ranks=[{"times": next(jobs)}])
+
+    monkeypatch.setattr("minifsdp.launch.torchrun", fake_torchrun)
+    args = argparse.Namespace(world_sizes=[2], jobs=2, **{
+        flag[2:].replace("-", "_"): default for flag, _, default, _ in harness.COMMON})
+    [row] = harness.launch("bench.py", args, "x", "torch")
+    assert calls == [(2, "x_2_job0"), (2, "x_2_job1")]
+    assert row.times["ours"] == [[1.1, 1.1], [2.2], [0.9]]  # every round of both jobs
+    assert row.med == {"ours": 1.1, "torch": 1.0}
+    assert [round(r, 9) for r in row.per_round["ours"]] == [1.1, 1.1, 0.9]
+    assert [round(r, 9) for r in row.per_job["ours"]] == [1.1, 0.9]
+    assert row.per_job["torch"] == [1.0, 1.0]
 
 
 _spec2 = importlib.util.spec_from_file_location(
