@@ -131,9 +131,10 @@ def launch(script: str, args: argparse.Namespace, name: str, reference: str,
     size: the median step time per strategy over all steps, and each strategy's ratio to
     ``reference`` round by round and job by job (their spreads are the machine's noise).
 
-    Why several jobs: a job's buffers land where its allocator puts them, and that can favour
-    one implementation for the whole job; a ratio that should hold on the next machine needs
-    that luck averaged out too, not only the noise between rounds."""
+    Why several jobs: one job's ratio moves by more than the gaps these benchmarks look for
+    (BucketedDDP / torch DDP: 0.95-1.03 over six jobs of 40 steps each on a 2-core VM,
+    2026-12-06), from the rounds' noise and from what a job fixes once at its start (where its
+    buffers land, which cores its threads get); pooled jobs average both."""
     from minifsdp.launch import torchrun
 
     argv = [v for flag, *_ in COMMON for v in (flag, getattr(args, flag[2:].replace("-", "_")))]
