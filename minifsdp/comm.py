@@ -286,8 +286,7 @@ def _logged(op: str, tensor: torch.Tensor | None, wire: float, group: Any, tag: 
     recs = [(log, _record(log, "comm", op, s, wire, n, tensor, t0, t1, tag)) for log in _ACTIVE]
     for log, rec in recs:
         log.records.append(rec)
-    # no log listening: the bare handle, with no Python callback on the backend's thread
-    return LoggedWork(out, recs) if async_op and out is not None and recs else out
+    return LoggedWork(out, recs) if async_op and out is not None else out
 
 
 def _nbytes(t: torch.Tensor) -> int:
