@@ -20,7 +20,6 @@ import os
 import statistics
 import subprocess
 import sys
-import time
 
 GPT = ("--model", "gpt", "--n-layer", 12, "--d-model", 32, "--n-head", 2, "--vocab-size", 64,
        "--seq-len", 8, "--global-batch", 1, "--optimizer", "adamw")
@@ -30,8 +29,7 @@ def worker(args: argparse.Namespace) -> None:
     import torch
 
     from minifsdp.dist import dist_setup
-    from minifsdp.gpucheck import BENCH_PAIRS, build, compute_only
-    from minifsdp.train import train_step
+    from minifsdp.gpucheck import BENCH_PAIRS, build, compute_only, time_interleaved
 
     torch.set_num_threads(1)
     info = dist_setup()
@@ -42,17 +40,9 @@ def worker(args: argparse.Namespace) -> None:
         runs.append(compute_only(pair, info, GPT, 5))
         x = torch.randint(runs[0][0].vocab_size, (1, runs[0][0].seq_len))
         y = torch.roll(x, -1, dims=1)
-        for _, model, opt in runs:
-            for _ in range(args.warmup):
-                train_step(model, opt, x, y)
-        times: list[list[float]] = [[] for _ in runs]
-        for r in range(args.rounds):
-            for i in [(r + k) % len(runs) for k in range(len(runs))]:
-                _, model, opt = runs[i]
-                t0 = time.perf_counter()
-                for _ in range(args.steps):
-                    train_step(model, opt, x, y)
-                times[i].append(1e3 * (time.perf_counter() - t0) / args.steps)
+        times = time_interleaved([(m, o) for _, m, o in runs], x, y, args.rounds, args.steps,
+                                 args.warmup)
+        times = [[1e3 * t for t in ts] for ts in times]
         ours, theirs, alone = (statistics.median(t) for t in times)
         print(f"{pair.name:62s} {ours:7.1f} {theirs:7.1f} {alone:8.1f}   {ours / theirs:.2f}x",
               flush=True)

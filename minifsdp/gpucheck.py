@@ -416,13 +416,44 @@ def _header(info) -> dict:
             if info.device.type == "cuda" else "cpu"}
 
 
+def time_interleaved(runs: list, x: torch.Tensor, y: torch.Tensor, rounds: int, steps: int,
+                     warmup: int, sync=lambda: None) -> list[list[float]]:
+    """Seconds per training step of each ``(model, opt)`` in ``runs``, one entry per round:
+    ``warmup`` steps each, then ``rounds`` rounds of ``steps`` steps each, taking turns, the
+    order rotated by one each round so that drift in the machine's speed hits all alike.
+    ``sync`` (``torch.cuda.synchronize`` on a GPU) brackets each round's timing.
+
+    Example:
+        >>> m = torch.nn.Linear(4, 4)
+        >>> times = time_interleaved([(m, torch.optim.SGD(m.parameters()))],
+        ...                          torch.zeros(2, 4), torch.zeros(2, dtype=torch.long), 3, 2, 1)
+        >>> len(times), len(times[0])
+        (1, 3)
+    """
+    from minifsdp.train import train_step
+
+    for model, opt in runs:
+        for _ in range(warmup):
+            train_step(model, opt, x, y)
+    times: list[list[float]] = [[] for _ in runs]
+    for r in range(rounds):
+        for i in [(r + k) % len(runs) for k in range(len(runs))]:
+            model, opt = runs[i]
+            sync()
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                train_step(model, opt, x, y)
+            sync()
+            times[i].append((time.perf_counter() - t0) / steps)
+    return times
+
+
 def bench_worker(tiny: bool, rounds: int, steps: int, warmup: int) -> None:
     """Step time of ours, torch's and the compute-only step (``compute_only``), the three
     models alive side by side and timed in interleaved rounds (the order rotates each round),
     ``steps`` steps a round; the medians."""
     from minifsdp.dist import dist_setup, finish
     from minifsdp.models import count_params
-    from minifsdp.train import train_step
 
     info = dist_setup()
     out = {**_header(info), "bench": [], "rounds": rounds, "steps": steps, "warmup": warmup}
@@ -440,19 +471,7 @@ def bench_worker(tiny: bool, rounds: int, steps: int, warmup: int) -> None:
         x = torch.randint(args.vocab_size, (args.global_batch, args.seq_len), device=info.device,
                           generator=g)
         y = torch.roll(x, -1, dims=1)
-        for _, model, opt in runs:
-            for _ in range(warmup):
-                train_step(model, opt, x, y)
-        times: list[list[float]] = [[] for _ in runs]
-        for r in range(rounds):
-            for i in [(r + k) % len(runs) for k in range(len(runs))]:
-                _, model, opt = runs[i]
-                sync()
-                t0 = time.perf_counter()
-                for _ in range(steps):
-                    train_step(model, opt, x, y)
-                sync()
-                times[i].append((time.perf_counter() - t0) / steps)
+        times = time_interleaved([(m, o) for _, m, o in runs], x, y, rounds, steps, warmup, sync)
         ours, theirs, alone = (statistics.median(t) for t in times)
         tokens = args.global_batch * args.seq_len
         out["bench"].append({
@@ -465,7 +484,7 @@ def bench_worker(tiny: bool, rounds: int, steps: int, warmup: int) -> None:
             "tflops": [6 * n_params * tokens / t / 1e12 for t in (ours, theirs)],
             "peak_gb": torch.cuda.max_memory_allocated(info.device) / 2**30 if cuda else None,
         })
-        del runs, model, opt, x, y
+        del runs, x, y  # before the next pair builds its models
     finish(out)
 
 
