@@ -114,10 +114,19 @@ class Row:
 
     n: int
     run: Any                    # the last job's run (for what every job reports alike)
+    reference: str              # the strategy the ratios divide by
     times: dict                 # times[name][round][step], every job's rounds one after another
-    med: dict                   # name -> median step time over every step of every job
-    per_round: dict             # name -> its ratio to the reference, round by round
     per_job: dict               # name -> its ratio to the reference, job by job
+
+    @property
+    def med(self) -> dict:
+        """name -> median step time over every step of every job."""
+        return {k: statistics.median(sum(v, [])) for k, v in self.times.items()}
+
+    @property
+    def per_round(self) -> dict:
+        """name -> its ratio to the reference, round by round."""
+        return {k: self.ratios(k, self.reference) for k in self.times}
 
     def ratios(self, name: str, ref: str) -> list[float]:
         """``name``'s ratio to ``ref`` round by round (each round's medians)."""
@@ -147,14 +156,11 @@ def launch(script: str, args: argparse.Namespace, name: str, reference: str,
                            name=f"{name}_{n}" + (f"_job{j}" if args.jobs > 1 else ""),
                            timeout=timeout)
             job = run.ranks[0]["times"]
+            ref = statistics.median(sum(job[reference], []))
             for k, v in job.items():
                 times.setdefault(k, []).extend(v)
-                per_job.setdefault(k, []).append(statistics.median(sum(v, []))
-                                                  / statistics.median(sum(job[reference], [])))
-        med = {k: statistics.median(sum(v, [])) for k, v in times.items()}
-        row = Row(n, run, times, med, {}, per_job)
-        row.per_round = {k: row.ratios(k, reference) for k in times}
-        rows.append(row)
+                per_job.setdefault(k, []).append(statistics.median(sum(v, [])) / ref)
+        rows.append(Row(n, run, reference, times, per_job))
     return rows
 
 
