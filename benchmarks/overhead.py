@@ -36,8 +36,10 @@ def worker(args: argparse.Namespace) -> None:
     for pair in BENCH_PAIRS:
         if args.pairs and not any(p in pair.name for p in args.pairs):
             continue
-        runs = [build(s, pair.extra, info, GPT, 5) for s in (pair.ours, pair.torch)]
-        runs.append(compute_only(pair, info, GPT, 5))
+        # --foreach: AdamW's multi-tensor kernels, as on a GPU (a CPU defaults to its loop)
+        foreach = True if args.foreach else None
+        runs = [build(s, pair.extra, info, GPT, 5, foreach) for s in (pair.ours, pair.torch)]
+        runs.append(compute_only(pair, info, GPT, 5, foreach))
         x = torch.randint(runs[0][0].vocab_size, (1, runs[0][0].seq_len))
         y = torch.roll(x, -1, dims=1)
         times = time_interleaved([(m, o) for _, m, o in runs], x, y, args.rounds, args.steps,
@@ -53,6 +55,8 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=6)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--foreach", action="store_true",
+                   help="AdamW with foreach=True for all three runs, the path a GPU takes")
     args = p.parse_args()
     if "RANK" in os.environ:
         return worker(args)

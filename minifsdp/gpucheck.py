@@ -273,11 +273,11 @@ class Autocast(torch.nn.Module):
             return self.module(*args)
 
 
-def compute_only(pair: Pair, info, gpt: tuple, steps: int):
+def compute_only(pair: Pair, info, gpt: tuple, steps: int, foreach: bool | None = None):
     """The pair's model trained by one process with no wrapper at all (``single``), under
     autocast where the pair computes in bf16: the step FSDP's bookkeeping is measured against
-    when communication is free (world size 1)."""
-    args, model, opt = build("single", (), info, gpt, steps)
+    when communication is free (world size 1). ``foreach`` as in ``build``."""
+    args, model, opt = build("single", (), info, gpt, steps, foreach)
     if "--param-dtype" in pair.extra:
         model = Autocast(model)
     return args, model, opt
