@@ -12,8 +12,9 @@ for a subset of the parameters: only those with a gradient); 3 Adam steps of 2 m
 against torch's fully_shard (uneven rows, empty shards); the unsharded storage freed after forward
 and backward.
 Also read Note [padding], Note [dim-0 chunks], Note [freeing with resize_], Note [version
-counter], Note [issue and wait] (prefetch.py) and Note [reshard to k ranks] (hsdp.py).
-Groups with all-gather extensions (chapter 07's float8) never reach your three methods here.
+counter], Note [issue and wait] (prefetch.py), Note [reshard to k ranks] (hsdp.py) and Note [a
+shard group of one rank]. Groups with all-gather extensions (chapter 07's float8) never reach
+your three methods here.
 """
 
 import torch
@@ -38,10 +39,12 @@ def unshard(group, async_op=False):
     returns the work handle (``None`` when blocking).
     Must hold afterwards: while UNSHARDED or with an all-gather in flight, nothing happened
     (no collective); else exactly one all-gather was issued, tagged
-    ``f"fsdp2 params {group.name}"``, over the group that matches the state, and
-    ``group._in_flight`` holds its handle, buffer and world size; with ``async_op`` nothing
-    waits and the modules still hold their sharded parameters; without, the unshard is
-    finished (``group.wait_for_unshard()``). Notes [copy-in and copy-out], [issue and wait].
+    ``f"fsdp2 params {group.name}"``, over the group that matches the state -- none if that
+    group is one rank, whose copy-in already filled ``gathered`` (Note [a shard group of one
+    rank]) -- and ``group._in_flight`` holds its handle (or ``None``), buffer and world size;
+    with ``async_op`` nothing waits and the modules still hold their sharded parameters;
+    without, the unshard is finished (``group.wait_for_unshard()``). Notes [copy-in and
+    copy-out], [issue and wait].
     """
     # TODO(lab 05): the contract above; `python -m minifsdp.labs 05 --hint` when stuck.
     raise NotImplementedError("lab 05: unshard in labs/lab05_fsdp2.py")

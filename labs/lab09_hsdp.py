@@ -36,9 +36,11 @@ def reduce_grads(group, flat):
     averaged over the R S ranks exactly as torch averages (the same collectives on the same
     groups in the same order, the same divisions); or None after keeping the shard-group sum
     in ``group.partial_reduce_output`` when ``all_reduce_grads`` is False (HSDP only), to be
-    added in before the next all-reduce. Only the slot crosses the replicate group. ``flat``'s
-    storage is freed (``flat.untyped_storage().resize_(0)``) once the reduce-scatter returns.
-    Notes [HSDP], [HSDP accumulation], [mixed precision], [divide factor].
+    added in before the next all-reduce. Only the slot crosses the replicate group; over a
+    shard group of one rank (S = 1) nothing is scattered and no reduce-scatter is issued, as
+    in torch. ``flat``'s storage is freed (``flat.untyped_storage().resize_(0)``) once the
+    reduce-scatter (or its copy) returns. Notes [HSDP], [HSDP accumulation], [mixed
+    precision], [divide factor], [a shard group of one rank] (fsdp_param_group.py).
     """
     # TODO(lab 09): the contract above; `python -m minifsdp.labs 09 --hint` when stuck.
     raise NotImplementedError("lab 09: reduce_grads in labs/lab09_hsdp.py")

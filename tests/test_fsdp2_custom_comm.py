@@ -177,20 +177,23 @@ class Kept(AllGather):
 
     def __init__(self):
         self.bufs: dict = {}
+        self.calls = 0
 
     def allocate(self, size, *, dtype, device):
         return self.bufs.setdefault((tuple(size), dtype), torch.empty(*size, dtype=dtype,
                                                                       device=device))
 
     def __call__(self, output_tensor, input_tensor, group, async_op=False):
+        self.calls += 1
         return all_gather_single(output_tensor, input_tensor, group, async_op=async_op)
 
 
 class Counted(ReduceScatter):
     def __init__(self):
-        self.calls = 0
+        self.calls = self.allocations = 0
 
     def allocate(self, size, *, dtype, device):
+        self.allocations += 1
         return torch.empty(*size, dtype=dtype, device=device)
 
     def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
@@ -221,7 +224,8 @@ def test_defaults_and_not_recursive(cpu_mesh):
 def test_a_persistent_buffer_survives_and_is_reused(cpu_mesh):
     """A comm that hands out the same buffer every time: ours must not free it (it would have
     0 bytes at the second forward, and the copy-in would fail); the results match a model
-    with the default comms."""
+    with the default comms. Over one rank the comms allocate but are never called (Note [a
+    shard group of one rank]; test_one_rank_calls_no_custom_comm_as_torch)."""
     model, plain = model_of(cpu_mesh), model_of(cpu_mesh)
     ag, rs = Kept(), Counted()
     model.set_custom_all_gather(ag)
@@ -232,9 +236,36 @@ def test_a_persistent_buffer_survives_and_is_reused(cpu_mesh):
             m(x).sum().backward()
     (buf,) = ag.bufs.values()
     assert buf.untyped_storage().nbytes() == buf.numel() * buf.element_size() > 0
-    assert rs.calls == 2
+    assert (ag.calls, rs.calls, rs.allocations) == (0, 0, 4)  # input and output, 2 steps
     for (k, p), q in zip(model.named_parameters(), plain.parameters()):
         assert torch.equal(p.grad.full_tensor(), q.grad.full_tensor()), k
+
+
+def test_one_rank_calls_no_custom_comm_as_torch(cpu_mesh):
+    """Note [a shard group of one rank]: over a world of one, torch 2.14's ``fully_shard`` calls
+    neither comm (its ``unshard`` and ``foreach_reduce`` skip the collective), and neither do
+    ours; both still take the reduce-scatter's buffers from its ``allocate``, and the
+    gradients are the same bits."""
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    from minifsdp.parity import assert_bitwise
+
+    grads, comms = {}, {}
+    for name, fs in (("ours", fully_shard), ("torch", torch_fully_shard)):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3))
+        fs(model[0], mesh=cpu_mesh)
+        fs(model, mesh=cpu_mesh)
+        comms[name] = Kept(), Counted()
+        model.set_custom_all_gather(comms[name][0])
+        model.set_custom_reduce_scatter(comms[name][1])
+        for step in range(2):
+            model(torch.randn(5, 4, generator=torch.Generator().manual_seed(step))).sum().backward()
+        grads[name] = {k: p.grad.full_tensor() for k, p in model.named_parameters()}
+    for name, (ag, rs) in comms.items():
+        assert (ag.calls, rs.calls) == (0, 0), name
+    assert comms["ours"][1].allocations == comms["torch"][1].allocations > 0
+    assert_bitwise(grads["ours"], grads["torch"], names=("fsdp2", "torch"))
 
 
 def test_post_optim_event_is_waited_once_and_changes_no_bit(cpu_mesh, monkeypatch):

@@ -74,6 +74,19 @@ Everything runs on the current stream; overlapping communication with compute is
 prefetching (Note [prefetch on GPUs] in ``prefetch.py``: what torch does with its separate
 all-gather streams and events, and what we do instead).
 
+Note [a shard group of one rank]: with one rank to shard over (one GPU; an HSDP mesh (R, 1))
+the copy-in already wrote the whole gathered buffer -- slot 0 *is* my slot -- and my slot of
+the reduce-scatter is the whole input. So a group of one issues no collective at all:
+``unshard`` goes straight on to the copy-out, ``reduce_grads`` (``reduce.py``) copies the
+input into its output (the average over one rank is itself; HSDP's all-reduce across
+replicas still runs). Not a shortcut of ours: torch 2.14's ``FSDPParamGroup.unshard`` and
+``wait_for_unshard`` (``world_size == 1``) and ``foreach_reduce`` (``if world_size > 1``) in
+``torch/distributed/fsdp/_fully_shard`` do the same, and so call no custom comm (Note
+[custom collectives]) either. The same holds for the all-gather over k = 1 ranks after
+``reshard_after_forward=1`` (which torch turns into ``False`` with a warning). What it saves
+is Python, not bytes: a collective over one rank moves nothing, but each call costs a c10d
+dispatch and a work handle, twice per group per step -- on one GPU, the step's overhead.
+
 Note [accumulating without communication]: ``set_requires_gradient_sync(False)`` (FSDP's
 ``no_sync``) skips the reduce-scatter: each parameter keeps its *unsharded* gradient, and the
 next backward's autograd adds into it. The unsharded parameter is still freed after backward,
@@ -295,9 +308,11 @@ class FSDPParamGroup:
             # seam "fsdp2.all_gather_copy_in" (lab 07): the mixed-precision cast
             my_slot, gathered = self._all_gather_copy_in()
             group, world = self.process_group, self.world_size
-        with comm.tagged(f"fsdp2 params {self.name}"):  # Note [custom collectives]
-            work = self.all_gather_comm(output_tensor=gathered, input_tensor=my_slot,
-                                        group=group, async_op=async_op)
+        work = None  # Note [a shard group of one rank]: my slot already is all of gathered
+        if world > 1:
+            with comm.tagged(f"fsdp2 params {self.name}"):  # Note [custom collectives]
+                work = self.all_gather_comm(output_tensor=gathered, input_tensor=my_slot,
+                                            group=group, async_op=async_op)
         self._in_flight = (work, gathered, world)
         if not async_op:
             self.wait_for_unshard()

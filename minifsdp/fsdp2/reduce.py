@@ -79,8 +79,11 @@ def reduce_grads(group: FSDPParamGroup, flat: torch.Tensor) -> torch.Tensor | No
                    f"{group.name}'s reduce-scatter output")
     # the sharded grads view the output -- unless it is cast up later, then it is transient
     tag(out, "grads" if out.dtype == group.dtypes.orig else "comm")
-    with comm.tagged(f"fsdp2 grads {group.name}"):
-        rs(output_tensor=out, input_tensor=flat, group=group.reduce_scatter_group, op=op)
+    if group.world_size == 1:  # Note [a shard group of one rank] in fsdp_param_group.py
+        out.copy_(flat)
+    else:
+        with comm.tagged(f"fsdp2 grads {group.name}"):
+            rs(output_tensor=out, input_tensor=flat, group=group.reduce_scatter_group, op=op)
     # Free the input here and now, not by dropping our reference: gloo's worker thread holds
     # it for a moment after the (blocking) collective returns, and a free at a time of its
     # choosing would move the step's peak from run to run (as ``_free`` in

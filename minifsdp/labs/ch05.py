@@ -354,7 +354,10 @@ def _unshard_reshard_cases(t, group, key: str, names, full: dict, one_rank) -> N
         t.expect(f"{key}: bytes behind {thing} after {what}", _held_bytes(tensors), 0,
                  phase="reshard" if "reshard" in what else "unshard")
 
-    one_gather = [("all_gather", gather_tag, group.world_size, slot_bytes)]
+    # over one rank nothing is issued: the copy-in already filled the buffer (Note [a shard
+    # group of one rank])
+    one_gather = ([("all_gather", gather_tag, group.world_size, slot_bytes)]
+                  if group.world_size > 1 else [])
     originals = {name: getattr(FSDPParamGroup, name)
                  for name in ("_all_gather_copy_in", "_post_forward_copy_in")}
     for name, copy_in in originals.items():
@@ -409,8 +412,9 @@ def _unshard_reshard_cases(t, group, key: str, names, full: dict, one_rank) -> N
 
         if one_rank is None or not _all_ranks_matched(t):  # a wrong state crashes the rest
             return
-        # reshard_after_forward=k with k = 1: the piece is the whole padded buffer, gathered
-        # over a group of this rank alone (Note [reshard to k ranks])
+        # reshard_after_forward=k with k = 1: the piece is the whole padded buffer, and a
+        # "gather" over this rank alone is no collective at all (Note [reshard to k ranks],
+        # Note [a shard group of one rank])
         group.post_forward_ranks = PostForwardInfo(one_rank, 0, 1)
         for reshard_after in (False, True):
             group.unshard()
@@ -428,7 +432,7 @@ def _unshard_reshard_cases(t, group, key: str, names, full: dict, one_rank) -> N
             with comm.logging_comm() as log:
                 group.unshard()
             what = "unshard() from SHARDED_POST_FORWARD (k = 1)"
-            expect_gathers(what, log, [("all_gather", gather_tag, 1, unsharded_bytes)])
+            expect_gathers(what, log, [])
             expect_state(what, ShardedState.UNSHARDED, False)
             expect_owners(what, True, held)
             t.expect(f"{key}: the piece kept for k ranks is dropped by {what}",
@@ -526,8 +530,10 @@ def hint(name: str, got, expected, n: int) -> str | None:
     if "(op, tag, ranks, input bytes)" in name:
         return ("unshard issues one all-gather per call that finds the group neither unsharded "
                 "nor in flight, none otherwise; from SHARDED_POST_FORWARD it gathers the kept "
-                "piece over the k ranks of group.post_forward_ranks, not the shards over all N "
-                "(Note [issue and wait] in prefetch.py, Note [reshard to k ranks] in hsdp.py)")
+                "piece over the k ranks of group.post_forward_ranks, not the shards over all N; "
+                "over a group of one rank it issues none at all (Note [issue and wait] in "
+                "prefetch.py, Note [reshard to k ranks] in hsdp.py, Note [a shard group of one "
+                "rank] in fsdp_param_group.py)")
     if "sharded_state after" in name and expected == "UNSHARDED":
         return ("wait_for_unshard finishes an unshard: once the modules hold the gathered "
                 "parameters the group is UNSHARDED, and nothing is in flight any more (Note "
@@ -607,7 +613,8 @@ LAB = Lab(
            Seam(COPY_IN, "minifsdp.fsdp2.reduce", "reduce_scatter_copy_in",
                 "reduce_scatter_copy_in")),
     notes=("copy-in and copy-out", "padding", "dim-0 chunks", "version counter",
-           "freeing with resize_", "issue and wait", "reshard to k ranks"),
+           "freeing with resize_", "issue and wait", "reshard to k ranks",
+           "a shard group of one rank"),
     run=run_lab,
     hint=hint,
     oracle="torch's fully_shard (and the package's layouts)",
@@ -625,9 +632,11 @@ LAB = Lab(
         "unshard: nothing to do while group.sharded_state is UNSHARDED or group._in_flight is "
         "set; else pick the copy-in and the process group by the state (the kept piece over "
         "post_forward_ranks' k ranks in SHARDED_POST_FORWARD, else the shards over all N), "
-        "issue one tagged all-gather with async_op as given, remember (work, gathered, world) "
-        "in _in_flight, and finish at once unless async_op. wait_for_unshard: nothing in "
-        "flight, nothing to do; else wait on the work if there is one, copy out with the world "
+        "issue one tagged all-gather with async_op as given -- none when that group is one "
+        "rank: the copy-in already filled the buffer -- remember (work, gathered, world) "
+        "in _in_flight (work None if nothing was issued), and finish at once unless "
+        "async_op. wait_for_unshard: nothing in flight, nothing to do; else wait on the work "
+        "if there is one, copy out with the world "
         "it was gathered over, resize the buffer's storage to 0, forget the kept piece, put "
         "p.unsharded_param on every owner, set UNSHARDED, clear _in_flight. reshard: drop "
         "what is in flight and the kept piece; if UNSHARDED, put p.sharded_param on every "
@@ -640,8 +649,9 @@ LAB = Lab(
         "empty), flattened, then zeros up to p.padded_shard_numel.",
         "unshard: if UNSHARDED or in flight: return. if SHARDED_POST_FORWARD: (slot, buf) = "
         "post-forward copy-in; pg, world = post_forward_ranks' group and size; else: (slot, "
-        "buf) = _all_gather_copy_in(); pg, world = process_group, world_size. work = "
-        "all_gather_into_tensor(buf, slot, pg, async_op, tag); _in_flight = (work, buf, "
+        "buf) = _all_gather_copy_in(); pg, world = process_group, world_size. work = None "
+        "if world == 1 else all_gather_into_tensor(buf, slot, pg, async_op, tag); "
+        "_in_flight = (work, buf, "
         "world); if not async_op: wait_for_unshard(). wait: if nothing in flight: return; "
         "(work, buf, world) = _in_flight; work.wait() if work; copy-out(buf, world); free "
         "buf's storage; piece = None; for p, for (m, name) in p.owners: setattr(m, name, "

@@ -182,7 +182,8 @@ def train_hsdp_vs_torch(t, info, shape: tuple[int, int], policy: tuple) -> None:
                        for c in log.comms() if c.op in ("reduce_scatter", "all_reduce")]
                 want = []
                 for slot in slots:
-                    want.append(("reduce_scatter", s_deg, dt, s_deg * slot))
+                    if s_deg > 1:  # Note [a shard group of one rank]: else a copy
+                        want.append(("reduce_scatter", s_deg, dt, s_deg * slot))
                     if reduce_all:
                         want.append(("all_reduce", r_deg, dt, slot))
                 t.expect("the reduction's collectives in backward (op, group size, dtype, numel)"
@@ -235,7 +236,11 @@ def hint(name: str, got, expected, n: int) -> str | None:
             if "all_reduce" not in ops and "all_reduce" in [c[0] for c in expected]:
                 return ("no all-reduce across the replicate group: each replica keeps the "
                         "average of its own shard group only (Note [HSDP])")
-            if ops and ops[0] == "all_reduce":
+            if any(c[0] == "reduce_scatter" and c[1] == 1 for c in got):
+                return ("a reduce-scatter over a shard group of one rank: there is nothing to "
+                        "scatter, and torch issues none -- copy flat into the slot (Note [a "
+                        "shard group of one rank] in fsdp_param_group.py)")
+            if ops and ops[0] == "all_reduce" and expected and expected[0][0] != "all_reduce":
                 return ("the all-reduce came first: reduce-scatter within the shard group "
                         "first, so that only your 1/S slot crosses the slow links (Note [HSDP])")
             if any(c[2] != e[2] for c, e in zip(got, expected)):
@@ -296,7 +301,7 @@ LAB = Lab(
     skeleton="labs/lab09_hsdp.py",
     seams=(Seam(REDUCE, "minifsdp.fsdp2.reduce", "reduce_grads", "reduce_grads"),),
     notes=("HSDP", "HSDP accumulation", "mixed precision", "divide factor",
-           "freeing with resize_"),
+           "freeing with resize_", "a shard group of one rank"),
     run=run_lab,
     hint=hint,
     world_sizes=(4, 2),
@@ -316,10 +321,13 @@ LAB = Lab(
         "With group.gradient_divide_factor f set, the sum over all R S ranks is divided by f "
         "instead: the reduce-scatter takes f's op and the all-reduce SUMs (Note [divide "
         "factor]). "
+        "Over a shard group of one rank there is nothing to scatter: torch issues no "
+        "collective there (Note [a shard group of one rank]). "
         "Invariants: the result is (slot,), flat's dtype, summed in the order torch sums; "
         "with group.all_reduce_grads False nothing crosses the replicate group.",
         "pre, post, op = torch's factors for (S, flat.dtype, R, f, force_sum); flat /= pre; "
-        "out = empty slot; reduce-scatter flat -> out over the shard group with op; free "
+        "out = empty slot; reduce-scatter flat -> out over the shard group with op (S = 1: "
+        "out.copy_(flat), no collective); free "
         "flat's storage; if there is a replicate group: if not all_reduce_grads: add out into "
         "partial_reduce_output (or keep it) and return None; else add a kept partial into "
         "out, clear it, all-reduce out over the replicate group with op (SUM if f is set); "

@@ -161,7 +161,8 @@ def _register(p, param):
         setattr(module, name, param)
 
 
-def _unshard(group, async_op, *, skip_unsharded=True, use_piece=True, wait=True):
+def _unshard(group, async_op, *, skip_unsharded=True, use_piece=True, wait=True,
+             skip_one_rank=True):
     """The package's unshard, with one of its decisions switched off by a bug below."""
     if group._in_flight is not None or (
             skip_unsharded and group.sharded_state is ShardedState.UNSHARDED):
@@ -172,8 +173,10 @@ def _unshard(group, async_op, *, skip_unsharded=True, use_piece=True, wait=True)
     else:
         my_slot, gathered = group._all_gather_copy_in()
         pg, world = group.process_group, group.world_size
-    work = comm.all_gather_into_tensor(gathered, my_slot, pg, async_op and not wait,
-                                       tag=f"fsdp2 params {group.name}")
+    work = None
+    if world > 1 or not skip_one_rank:
+        work = comm.all_gather_into_tensor(gathered, my_slot, pg, async_op and not wait,
+                                           tag=f"fsdp2 params {group.name}")
     group._in_flight = (work, gathered, world)
     if not async_op or wait:
         group.wait_for_unshard()
@@ -201,6 +204,15 @@ def ignores_the_piece_kept_for_k_ranks(group, async_op=False):
     ``reshard_after_forward=k`` the backward all-gather should stay within k ranks, from the
     piece kept for it (Note [reshard to k ranks])."""
     _unshard(group, async_op, use_piece=False, wait=not async_op)
+
+
+@replaces("fsdp2.unshard")
+def gathers_over_one_rank(group, async_op=False):
+    """All-gathers whatever the group's size: right values, but over one rank (a mesh (R, 1),
+    one GPU, the piece kept for k = 1) the copy-in already filled the buffer, and the
+    collective is one more call per group per step that torch does not make (Note [a shard
+    group of one rank])."""
+    _unshard(group, async_op, skip_one_rank=False, wait=not async_op)
 
 
 def _wait(group, *, free=True, only_trainable=False):
@@ -317,6 +329,10 @@ EXPECTED = {
         status="diverged", world_sizes=(2,), case=UNSHARD_CASE, phase="unshard",
         name="fp32: the collectives of unshard() from SHARDED_POST_FORWARD (k = 1) (op, tag, "
              "ranks, input bytes)", hint="Note [reshard to k ranks]"),
+    "gathers_over_one_rank": dict(
+        status="diverged", world_sizes=(2,), case=UNSHARD_CASE, phase="unshard",
+        name="fp32: the collectives of unshard() from SHARDED_POST_FORWARD (k = 1) (op, tag, "
+             "ranks, input bytes)", hint="over a group of one rank it issues none"),
     "drops_the_buffer_instead_of_freeing_it": dict(
         status="diverged", world_sizes=(2,), case=UNSHARD_CASE, phase="unshard",
         name="fp32: bytes behind the all-gather buffer after unshard()",

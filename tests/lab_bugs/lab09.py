@@ -3,8 +3,9 @@ accumulation], Note [mixed precision], Note [freeing with resize_]).
 
 Each function replaces the seam (``@replaces``); tests/planted.py checks that the checker
 rejects it and points where the bug shows first, at N = 2 (meshes 2 x 1 and 1 x 2: the cheap
-job) except post_divides_before_the_all_reduce (only N = 4 has an fp16 post-factor other than 1)
-and the two divide-factor bugs (only the 2 x 2 mesh has a factor and replicas).
+job) except post_divides_before_the_all_reduce (only N = 4 has an fp16 post-factor other than 1),
+the two divide-factor bugs (only the 2 x 2 mesh has a factor and replicas) and
+all_reduces_first (on 2 x 1 nothing is scattered, so all-reducing first is right there).
 """
 
 import torch
@@ -19,10 +20,15 @@ def _factors(group, flat):
     return gradient_divide_factors(group.world_size, flat.dtype, group.mesh_info.replicate_size)
 
 
-def _scatter(group, flat, op):
+def _scatter(group, flat, op, *, over_one_rank=False):
+    """Done right (Note [a shard group of one rank]: no collective over one rank) unless
+    ``over_one_rank``."""
     out = flat.new_empty(flat.numel() // group.world_size)
     tag(out, "grads")
-    comm.reduce_scatter_tensor(out, flat, op, group.reduce_scatter_group)
+    if group.world_size == 1 and not over_one_rank:
+        out.copy_(flat)
+    else:
+        comm.reduce_scatter_tensor(out, flat, op, group.reduce_scatter_group)
     flat.untyped_storage().resize_(0)
     return out
 
@@ -137,6 +143,27 @@ def scatters_over_the_replicate_dim(group, flat):
     divide_if_needed(out, post)
     return out
 
+
+
+@replaces("fsdp2.reduce_grads")
+@torch.no_grad()
+def reduce_scatters_over_one_rank(group, flat):
+    """Reduce-scatters over the shard group whatever its size: right values, but on a mesh
+    (R, 1) a collective over one rank per group per step, which torch does not issue (Note [a
+    shard group of one rank])."""
+    pre, post, op = _factors(group, flat)
+    divide_if_needed(flat, pre)
+    out = _scatter(group, flat, op, over_one_rank=True)
+    if group.replicate_group is not None:
+        if not group.all_reduce_grads:
+            _keep(group, out)
+            return None
+        if group.partial_reduce_output is not None:
+            out += group.partial_reduce_output
+            group.partial_reduce_output = None
+        comm.all_reduce(out, op, group.replicate_group)
+    divide_if_needed(out, post)
+    return out
 
 
 @replaces("fsdp2.reduce_grads")
@@ -277,8 +304,10 @@ FACTOR = ("HSDP on a 2 x 2 mesh, fp32, set_gradient_divide_factor(S) on every gr
           "fully_shard")
 COLLECTIVES = "the reduction's collectives in backward (op, group size, dtype, numel)"
 EXPECTED = {
-    "all_reduces_first": dict(status="diverged", world_sizes=(2,), case=CASE_FP32,
-                              name=COLLECTIVES, step=0, phase="backward",
+    # on 2 x 1 all-reducing first is right: nothing is scattered (the 2 x 2 mesh shows it)
+    "all_reduces_first": dict(status="diverged", world_sizes=(4,),
+                              case="HSDP on a 2 x 2 mesh, fp32: 3 Adam steps against torch's "
+                                   "fully_shard", name=COLLECTIVES, step=0, phase="backward",
                               hint="the all-reduce came first"),
     "divides_twice": dict(status="diverged", world_sizes=(2,), case=CASE_FP32,
                           name="scale.grad", step=0, phase="backward",
@@ -293,7 +322,10 @@ EXPECTED = {
         status="diverged", world_sizes=(2,), step=0, phase="backward", case=CASE_ACCUM,
         name=COLLECTIVES + ", without the all-reduce", hint="Note [HSDP accumulation]"),
     "scatters_over_the_replicate_dim": dict(status="crash", world_sizes=(2,),
-                                            where="lab_bugs/lab09.py:135"),
+                                            where="lab_bugs/lab09.py:141"),
+    "reduce_scatters_over_one_rank": dict(status="diverged", world_sizes=(2,), case=CASE_FP32,
+                                          name=COLLECTIVES, step=0, phase="backward",
+                                          hint="a reduce-scatter over a shard group of one"),
     "keeps_flat": dict(status="diverged", world_sizes=(2,), case=CASE_FP32,
                        name="group root: bytes behind flat after reduce_grads returned", step=0,
                        phase="backward", hint="flat.untyped_storage().resize_(0) once the "
