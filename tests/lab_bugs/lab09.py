@@ -154,16 +154,7 @@ def reduce_scatters_over_one_rank(group, flat):
     pre, post, op = _factors(group, flat)
     divide_if_needed(flat, pre)
     out = _scatter(group, flat, op, over_one_rank=True)
-    if group.replicate_group is not None:
-        if not group.all_reduce_grads:
-            _keep(group, out)
-            return None
-        if group.partial_reduce_output is not None:
-            out += group.partial_reduce_output
-            group.partial_reduce_output = None
-        comm.all_reduce(out, op, group.replicate_group)
-    divide_if_needed(out, post)
-    return out
+    return _across_replicas(group, out, op, post)
 
 
 @replaces("fsdp2.reduce_grads")
@@ -177,17 +168,11 @@ def keeps_flat(group, flat):
     divide_if_needed(flat, pre)
     out = flat.new_empty(flat.numel() // group.world_size)
     tag(out, "grads")
-    comm.reduce_scatter_tensor(out, flat, op, group.reduce_scatter_group)
-    if group.replicate_group is not None:
-        if not group.all_reduce_grads:
-            _keep(group, out)
-            return None
-        if group.partial_reduce_output is not None:
-            out += group.partial_reduce_output
-            group.partial_reduce_output = None
-        comm.all_reduce(out, op, group.replicate_group)
-    divide_if_needed(out, post)
-    return out
+    if group.world_size == 1:  # Note [a shard group of one rank]
+        out.copy_(flat)
+    else:
+        comm.reduce_scatter_tensor(out, flat, op, group.reduce_scatter_group)
+    return _across_replicas(group, out, op, post)
 
 
 @replaces("fsdp2.reduce_grads")
