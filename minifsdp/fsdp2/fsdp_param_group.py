@@ -85,7 +85,8 @@ replicas still runs). Not a shortcut of ours: torch 2.14's ``FSDPParamGroup.unsh
 [custom collectives]) either. The same holds for the all-gather over k = 1 ranks after
 ``reshard_after_forward=1`` (which torch turns into ``False`` with a warning). What it saves
 is Python, not bytes: a collective over one rank moves nothing, but each call costs a c10d
-dispatch and a work handle, twice per group per step -- on one GPU, the step's overhead.
+dispatch and a work handle, two or three per group per step (the all-gathers of forward and,
+resharded, backward; the reduce-scatter) -- on one GPU, the step's overhead.
 
 Note [accumulating without communication]: ``set_requires_gradient_sync(False)`` (FSDP's
 ``no_sync``) skips the reduce-scatter: each parameter keeps its *unsharded* gradient, and the
