@@ -20,16 +20,17 @@ def _factors(group, flat):
     return gradient_divide_factors(group.world_size, flat.dtype, group.mesh_info.replicate_size)
 
 
-def _scatter(group, flat, op, *, over_one_rank=False):
-    """Done right (Note [a shard group of one rank]: no collective over one rank) unless
-    ``over_one_rank``."""
+def _scatter(group, flat, op, *, over_one_rank=False, free=True):
+    """Done right (Note [a shard group of one rank]: no collective over one rank; ``flat``
+    freed) unless ``over_one_rank`` or not ``free``."""
     out = flat.new_empty(flat.numel() // group.world_size)
     tag(out, "grads")
     if group.world_size == 1 and not over_one_rank:
         out.copy_(flat)
     else:
         comm.reduce_scatter_tensor(out, flat, op, group.reduce_scatter_group)
-    flat.untyped_storage().resize_(0)
+    if free:
+        flat.untyped_storage().resize_(0)
     return out
 
 
@@ -166,12 +167,7 @@ def keeps_flat(group, flat):
     reduce-scatter returns; Note [freeing with resize_])."""
     pre, post, op = _factors(group, flat)
     divide_if_needed(flat, pre)
-    out = flat.new_empty(flat.numel() // group.world_size)
-    tag(out, "grads")
-    if group.world_size == 1:  # Note [a shard group of one rank]
-        out.copy_(flat)
-    else:
-        comm.reduce_scatter_tensor(out, flat, op, group.reduce_scatter_group)
+    out = _scatter(group, flat, op, free=False)
     return _across_replicas(group, out, op, post)
 
 
@@ -307,7 +303,7 @@ EXPECTED = {
         status="diverged", world_sizes=(2,), step=0, phase="backward", case=CASE_ACCUM,
         name=COLLECTIVES + ", without the all-reduce", hint="Note [HSDP accumulation]"),
     "scatters_over_the_replicate_dim": dict(status="crash", world_sizes=(2,),
-                                            where="lab_bugs/lab09.py:141"),
+                                            where="lab_bugs/lab09.py:142"),
     "reduce_scatters_over_one_rank": dict(status="diverged", world_sizes=(2,), case=CASE_FP32,
                                           name=COLLECTIVES, step=0, phase="backward",
                                           hint="a reduce-scatter over a shard group of one"),
